@@ -1,0 +1,125 @@
+"""autoweave: torch.compile around FSDP units inside activation-checkpointed blocks.
+
+Turn it on for a run with ``AUTOWEAVE=1`` (the start-up file does the rest) or
+from code with :func:`enable`. Importing this package imports only the
+standard library; torch-dependent names load on first use.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
+
+from autoweave import _bootstrap
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch.nn as nn
+
+    from autoweave.planner import Plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "boundary",
+    "disable",
+    "disabled",
+    "enable",
+    "is_enabled",
+    "plan",
+    "register_boundary",
+    "set_mode",
+    "__version__",
+]
+
+
+def enable() -> bool:
+    """Turn autoweave on in this process (as ``AUTOWEAVE=1`` would); idempotent.
+
+    Returns whether it is on afterwards: ``AUTOWEAVE_DISABLE=1`` still wins, and
+    an unsupported torch leaves it off with a warning.
+    """
+    from autoweave._settings import AUTOWEAVE_DISABLE, Settings
+
+    settings = _bootstrap.settings()
+    forced = Settings.from_environ({**_environ(), "AUTOWEAVE": "1"})
+    if not forced.enabled:
+        import logging
+
+        logging.getLogger("autoweave").warning(
+            "enable() ignored: %s is set for this run", AUTOWEAVE_DISABLE
+        )
+        return False
+    if not settings.enabled:
+        _bootstrap.reload_settings(forced)
+    _bootstrap.install()
+    return is_enabled()
+
+
+def disable() -> None:
+    """Turn autoweave off: remove the import hooks and restore torch's originals exactly."""
+    from autoweave._settings import Settings
+
+    _bootstrap.uninstall()
+    _bootstrap.reload_settings(Settings(enabled=False))
+
+
+def is_enabled() -> bool:
+    """True when at least one of autoweave's patches is in place (or will be at torch import)."""
+    import sys
+
+    if not _bootstrap.settings().enabled:
+        return False
+    if "torch" not in sys.modules:
+        return _bootstrap._hooks_registered
+    from autoweave import patches
+
+    return bool(patches.applied())
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Context manager: compile requests made inside go to plain torch."""
+    from autoweave import runtime
+
+    with runtime.disabled():
+        yield
+
+
+def boundary(module: nn.Module, reason: str = "marked with autoweave.boundary()") -> nn.Module:
+    """Mark ``module`` as a boundary: compiled regions stop at its call. Returns it."""
+    from autoweave import boundaries
+
+    return boundaries.boundary(module, reason)
+
+
+def register_boundary(predicate: Any, *, name: str | None = None) -> Any:
+    """Register ``predicate(module) -> reason | True | None`` as a boundary kind."""
+    from autoweave import boundaries
+
+    return boundaries.register_boundary(predicate, name=name)
+
+
+def set_mode(module: nn.Module, mode: str | None = None, *, strategy: str | None = None) -> nn.Module:
+    """Per-module weave mode (``auto``/``always``/``off``) and AC strategy."""
+    from autoweave import runtime
+
+    return runtime.set_mode(module, mode, strategy=strategy)
+
+
+def plan(module: nn.Module, *, fullgraph: bool = False, mode: str | None = None, strategy: str | None = None) -> Plan:
+    """The plan autoweave would apply to ``torch.compile(module)`` now, without compiling."""
+    from autoweave import planner
+
+    settings = _bootstrap.settings()
+    return planner.plan(
+        module,
+        mode=mode or getattr(module, "_autoweave_mode", None) or settings.mode,
+        strategy=strategy or getattr(module, "_autoweave_strategy", None) or settings.strategy,
+        fullgraph=fullgraph,
+    )
+
+
+def _environ() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)

@@ -1,0 +1,112 @@
+"""Start-up: read the settings once, register import hooks, patch when torch loads.
+
+Everything here is standard library only. The heavy parts (wrapt, torch, the
+patches) are imported by the hooks, when torch itself is imported.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+from autoweave import _importhook, _log
+from autoweave._settings import Settings
+
+TORCH = "torch"
+CHECKPOINT_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+
+_lock = threading.RLock()
+_settings: Settings | None = None
+_hooks_registered = False
+_problems_reported = False
+
+
+def settings() -> Settings:
+    """The settings of this process, read from the environment on first use."""
+    global _settings
+    if _settings is None:
+        _settings = Settings.from_environ()
+    return _settings
+
+
+def reload_settings(new: Settings | None = None) -> Settings:
+    """Re-read the environment (or take ``new``); for tests and ``enable()``."""
+    global _settings
+    _settings = Settings.from_environ() if new is None else new
+    return _settings
+
+
+def _report_problems(current: Settings) -> None:
+    global _problems_reported
+    if _problems_reported or not current.problems:
+        return
+    _problems_reported = True
+    for problem in current.problems:
+        try:
+            sys.stderr.write(f"autoweave: {problem}\n")
+        except Exception:
+            pass
+
+
+def startup() -> None:
+    """Entry point of the start-up file; never raises, whatever happens."""
+    try:
+        current = settings()
+        _log.configure(current.log_level)
+        _report_problems(current)
+        if current.enabled:
+            install()
+    except BaseException as exc:  # noqa: BLE001 - a .pth must never break Python
+        try:
+            sys.stderr.write(
+                f"autoweave: [startup-failed] {type(exc).__name__}: {exc}; "
+                "continuing without autoweave\n"
+            )
+        except Exception:
+            pass
+
+
+def install() -> None:
+    """Patch torch now if it is imported, else when it is; idempotent."""
+    global _hooks_registered
+    from autoweave._failopen import guard
+
+    with _lock, guard("installing the import hooks", fallback="continuing without autoweave"):
+        if _hooks_registered:
+            return
+        _hooks_registered = True
+        # The checkpoint_wrapper hook is registered first so that it is in
+        # place when torch's own import pulls that module in.
+        _importhook.register(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
+        _importhook.register(TORCH, _on_torch_import)
+
+
+def uninstall() -> None:
+    """Remove the import hooks and every patch (restoring the originals)."""
+    global _hooks_registered
+    with _lock:
+        _importhook.unregister_all()
+        _hooks_registered = False
+        if TORCH in sys.modules:
+            from autoweave import patches
+
+            patches.revert_all()
+
+
+def _on_torch_import(module: Any) -> None:
+    from autoweave._failopen import guard
+
+    with guard("patching torch", fallback="torch runs unpatched"):
+        from autoweave import patches
+
+        patches.apply_torch(settings())
+
+
+def _on_checkpoint_wrapper_import(module: Any) -> None:
+    from autoweave._failopen import guard
+
+    with guard("patching checkpoint_wrapper", fallback="checkpoint_wrapper runs unpatched"):
+        from autoweave import patches
+
+        patches.apply_checkpoint_wrapper(settings(), module)

@@ -1,0 +1,105 @@
+"""Private torch names, looked up once and behind guards.
+
+torch moves private names between releases; every one autoweave touches is
+resolved here so an unsupported torch gives one clear message instead of a
+traceback deep inside a patch.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+SUPPORTED_TORCH = ((2, 11), (2, 14))  # inclusive range of (major, minor)
+
+
+class UnsupportedTorch(RuntimeError):
+    """The installed torch lacks something autoweave needs."""
+
+
+def torch_version(raw: str | None = None) -> tuple[int, int]:
+    if raw is None:
+        import torch
+
+        raw = torch.__version__
+    match = re.match(r"(\d+)\.(\d+)", str(raw))
+    if not match:
+        raise UnsupportedTorch(f"cannot read torch version {raw!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def check_torch_version(raw: str | None = None) -> None:
+    """Raise ``UnsupportedTorch`` with the accepted range when torch is outside it."""
+    version = torch_version(raw)
+    low, high = SUPPORTED_TORCH
+    if not low <= version <= high:
+        found = raw
+        if found is None:
+            import torch
+
+            found = torch.__version__
+        raise UnsupportedTorch(
+            f"torch {found} is not supported (autoweave supports torch "
+            f"{low[0]}.{low[1]} to {high[0]}.{high[1]}); staying off. "
+            "Install a supported torch or unset AUTOWEAVE."
+        )
+
+
+def _first(*paths: str) -> Any:
+    import importlib
+
+    errors = []
+    for path in paths:
+        module_name, _, attr = path.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            errors.append(f"{path}: {exc}")
+    raise UnsupportedTorch("none of these torch names exist: " + "; ".join(errors))
+
+
+@functools.cache
+def optimized_module() -> type:
+    return _first("torch._dynamo.eval_frame.OptimizedModule")
+
+
+@functools.cache
+def checkpoint_wrapper_class() -> type:
+    return _first("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper")
+
+
+@functools.cache
+def fsdp2_module() -> type | None:
+    try:
+        return _first(
+            "torch.distributed.fsdp.FSDPModule",
+            "torch.distributed._composable.fsdp.FSDPModule",
+        )
+    except UnsupportedTorch:
+        return None  # torch built without distributed
+
+
+@functools.cache
+def fsdp1_module() -> type | None:
+    try:
+        return _first("torch.distributed.fsdp.FullyShardedDataParallel")
+    except UnsupportedTorch:
+        return None
+
+
+def dynamo_disabled(fn: Any) -> bool:
+    """True when ``fn`` was wrapped by ``torch.compiler.disable``/``torch._dynamo.disable``."""
+    seen = 0
+    while fn is not None and seen < 8:
+        if getattr(fn, "_torchdynamo_disable", False):
+            return True
+        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "__func__", None)
+        seen += 1
+    return False
+
+
+def disable(fn: Any, *, recursive: bool) -> Any:
+    import torch
+
+    return torch._dynamo.disable(fn, recursive=recursive)

@@ -1,0 +1,120 @@
+"""The only reader of ``AUTOWEAVE_*`` environment variables.
+
+Standard library only: the start-up file imports this module in every Python
+process where ``AUTOWEAVE`` is set, long before torch is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+# Each variable is a named constant with its one-line meaning; the README's
+# switches table is checked against ``VARIABLES`` by a test.
+AUTOWEAVE = "AUTOWEAVE"
+AUTOWEAVE_DISABLE = "AUTOWEAVE_DISABLE"
+AUTOWEAVE_DISABLED_PATCHES = "AUTOWEAVE_DISABLED_PATCHES"
+AUTOWEAVE_LOG_LEVEL = "AUTOWEAVE_LOG_LEVEL"
+AUTOWEAVE_STRICT = "AUTOWEAVE_STRICT"
+AUTOWEAVE_MODE = "AUTOWEAVE_MODE"
+AUTOWEAVE_STRATEGY = "AUTOWEAVE_STRATEGY"
+
+VARIABLES: dict[str, str] = {
+    AUTOWEAVE: "turn autoweave on for this process and its children",
+    AUTOWEAVE_DISABLE: "hard off for this run, even when AUTOWEAVE=1 is baked in",
+    AUTOWEAVE_DISABLED_PATCHES: "comma-separated patches to leave alone",
+    AUTOWEAVE_LOG_LEVEL: "level of the 'autoweave' logger",
+    AUTOWEAVE_STRICT: "raise on internal failures instead of falling back",
+    AUTOWEAVE_MODE: "when to weave: auto, always or off",
+    AUTOWEAVE_STRATEGY: "how to place AC in a woven block: auto, hoist, push-down, siblings",
+}
+
+TRUE_VALUES = ("1", "true", "yes", "on")
+FALSE_VALUES = ("", "0", "false", "no", "off")
+PATCH_NAMES = ("compile", "module_compile", "checkpoint_wrapper")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+MODES = ("auto", "always", "off")
+STRATEGIES = ("auto", "hoist", "push-down", "siblings")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Effective settings for this process, parsed once from the environment."""
+
+    enabled: bool = False
+    disabled_patches: frozenset[str] = frozenset()
+    log_level: str | None = None
+    strict: bool = False
+    mode: str = "auto"
+    strategy: str = "auto"
+    # Human-readable complaints about values we could not use; each names the
+    # variable and the accepted values.
+    problems: tuple[str, ...] = field(default=())
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        problems: list[str] = []
+
+        def flag(name: str, *, default: bool) -> bool:
+            raw = env.get(name)
+            if raw is None:
+                return default
+            value = raw.strip().lower()
+            if value in TRUE_VALUES:
+                return True
+            if value in FALSE_VALUES:
+                return False
+            problems.append(
+                f"{name}={raw!r} not understood "
+                f"(accepted: {','.join(TRUE_VALUES + FALSE_VALUES[1:])}); "
+                f"using {'on' if default else 'off'}"
+            )
+            return default
+
+        def choice(name: str, accepted: tuple[str, ...], default: str | None) -> str | None:
+            raw = env.get(name)
+            if raw is None or not raw.strip():
+                return default
+            value = raw.strip().lower()
+            if value in accepted:
+                return value
+            problems.append(
+                f"{name}={raw!r} not understood (accepted: {','.join(accepted)}); "
+                f"using {default or 'the default'}"
+            )
+            return default
+
+        enabled = flag(AUTOWEAVE, default=False)
+        if flag(AUTOWEAVE_DISABLE, default=False):
+            enabled = False
+
+        patches: set[str] = set()
+        for item in env.get(AUTOWEAVE_DISABLED_PATCHES, "").split(","):
+            item = item.strip().lower().replace("-", "_")
+            if not item:
+                continue
+            if item in PATCH_NAMES:
+                patches.add(item)
+            else:
+                problems.append(
+                    f"{AUTOWEAVE_DISABLED_PATCHES} names unknown patch {item!r} "
+                    f"(accepted: {','.join(PATCH_NAMES)}); ignoring it"
+                )
+
+        return cls(
+            enabled=enabled,
+            disabled_patches=frozenset(patches),
+            log_level=choice(AUTOWEAVE_LOG_LEVEL, LOG_LEVELS, None),
+            strict=flag(AUTOWEAVE_STRICT, default=False),
+            mode=choice(AUTOWEAVE_MODE, MODES, "auto") or "auto",
+            strategy=choice(AUTOWEAVE_STRATEGY, STRATEGIES, "auto") or "auto",
+            problems=tuple(problems),
+        )
+
+
+def requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Cheap pre-check used by the start-up file: is ``AUTOWEAVE`` set to anything but off?"""
+    env = os.environ if environ is None else environ
+    return env.get(AUTOWEAVE, "").strip().lower() not in FALSE_VALUES

@@ -1,0 +1,125 @@
+"""What counts as a boundary: a module whose call cannot be traced into the enclosing graph.
+
+A boundary's hooks stay eager; what happens to its inner forward is the
+planner's business. ``classify`` returns a short human reason, or ``None``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterator
+
+import torch.nn as nn
+
+from autoweave import _compat
+from autoweave._log import logger
+
+ENTRY_POINT_GROUP = "autoweave.boundaries"
+MARK = "_autoweave_boundary"
+# Attribute on every forward autoweave installs: the instance forward it replaced (or None).
+PRIOR = "__autoweave_prior__"
+
+Predicate = Callable[[nn.Module], "str | bool | None"]
+
+_lock = threading.Lock()
+_predicates: list[tuple[str, Predicate]] = []
+_entry_points_loaded = False
+
+
+def boundary(module: nn.Module, reason: str = "marked with autoweave.boundary()") -> nn.Module:
+    """Mark ``module`` as a boundary (its call is kept out of compiled regions); returns it."""
+    # object.__setattr__ keeps the mark out of nn.Module's attribute bookkeeping
+    # (and out of state_dict).
+    object.__setattr__(module, MARK, reason)
+    return module
+
+
+def register_boundary(predicate: Predicate, *, name: str | None = None) -> Predicate:
+    """Register ``predicate(module) -> reason | True | None`` as a kind of boundary."""
+    with _lock:
+        _predicates.append((name or getattr(predicate, "__qualname__", repr(predicate)), predicate))
+    return predicate
+
+
+def unregister_boundary(predicate: Predicate) -> None:
+    with _lock:
+        _predicates[:] = [(n, p) for n, p in _predicates if p is not predicate]
+
+
+def _load_entry_points() -> None:
+    # Third-party packages declare their own boundary kinds under the entry-point
+    # group; read once, lazily, so start-up never pays for the metadata scan.
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    try:
+        import importlib_metadata
+
+        found = importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
+    except Exception:  # pragma: no cover - metadata is best effort
+        logger.debug("could not read entry points %s", ENTRY_POINT_GROUP, exc_info=True)
+        return
+    for entry_point in found:
+        try:
+            register_boundary(entry_point.load(), name=f"{entry_point.name} (plug-in)")
+        except Exception as exc:
+            logger.warning("boundary plug-in %s failed to load: %s", entry_point.name, exc)
+
+
+def _hooks_disabled(module: nn.Module) -> bool:
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for hook in hooks.values():
+            if _compat.dynamo_disabled(hook):
+                return True
+    return False
+
+
+def forward_disabled(module: nn.Module) -> bool:
+    """True when the user disabled compile for this module's forward."""
+    forward = module.__dict__.get("forward")
+    # autoweave's own installs carry what they replaced; judge the user's forward.
+    while forward is not None and hasattr(forward, PRIOR):
+        forward = getattr(forward, PRIOR)
+    return _compat.dynamo_disabled(forward if forward is not None else type(module).forward)
+
+
+def classify(module: nn.Module) -> str | None:
+    """Why ``module`` is a boundary, or ``None`` when it is traceable."""
+    mark = getattr(module, MARK, None)
+    if mark:
+        return mark if isinstance(mark, str) else "marked with autoweave.boundary()"
+    fsdp2 = _compat.fsdp2_module()
+    if fsdp2 is not None and isinstance(module, fsdp2):
+        return "FSDP unit (fully_shard)"
+    fsdp1 = _compat.fsdp1_module()
+    if fsdp1 is not None and isinstance(module, fsdp1):
+        return "FSDP1 unit (FullyShardedDataParallel)"
+    if forward_disabled(module):
+        return "forward is torch.compiler.disable'd"
+    if _hooks_disabled(module):
+        return "a hook is torch.compiler.disable'd"
+    _load_entry_points()
+    with _lock:
+        predicates = list(_predicates)
+    for name, predicate in predicates:
+        verdict = predicate(module)
+        if verdict:
+            return verdict if isinstance(verdict, str) else f"registered boundary ({name})"
+    return None
+
+
+def inner(module: nn.Module) -> nn.Module:
+    """See through wrappers that only forward to one module (FSDP1's flat wrapper)."""
+    wrapped = getattr(module, "_fsdp_wrapped_module", None)
+    return wrapped if isinstance(wrapped, nn.Module) else module
+
+
+def iter_boundaries(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module, str]]:
+    """Every strict descendant of ``module`` that is a boundary, outermost first."""
+    for name, child in module.named_modules(prefix=prefix):
+        if child is module:
+            continue
+        reason = classify(child)
+        if reason:
+            yield name, child, reason

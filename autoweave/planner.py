@@ -1,0 +1,352 @@
+"""Pure planning: a module tree in, a plan (what to compile, what to leave, why) out.
+
+Nothing here compiles or changes a module; ``weave.apply_plan`` does that.
+
+Vocabulary. A *region* is a module whose forward is compiled on its own. A
+*boundary* is a module whose call dynamo cannot trace (an FSDP unit, say): it
+splits any region that contains it. A boundary inside a checkpointed region
+that dynamo traces makes dynamo give up on the whole checkpointed region (it
+runs eager, forward and recompute), which is the loss autoweave exists to avoid.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch.nn as nn
+
+from autoweave import _compat, boundaries
+
+Classifier = Callable[[nn.Module], "str | None"]
+
+MODES = ("auto", "always", "off")
+STRATEGIES = ("auto", "hoist", "push-down", "siblings")
+
+
+class Action(str, enum.Enum):
+    PLAIN = "plain"  # the root compiles exactly as plain torch.compile would
+    COMPILE = "compile"  # compiled whole as one region; no boundary inside
+    SPLIT = "split"  # compiled as one region that dynamo splits at the boundaries inside
+    WEAVE = "weave"  # own forward eager; children planned one by one
+    BOUNDARY = "boundary"  # hooks stay eager; the inner forward is planned on its own
+    HOIST = "hoist"  # AC wrapper stays eager around its inner module's plan
+    PUSH_DOWN = "push-down"  # AC wrapper stops checkpointing; each region below checkpoints itself
+    EAGER = "eager"  # left alone
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """The activation checkpointing a CheckpointWrapper applies, as the user configured it."""
+
+    selective: bool
+    reentrant: bool
+    options: tuple[tuple[str, str], ...]  # printable keyword options
+    known: bool = True  # torch.utils.checkpoint underneath (else a user checkpoint_fn)
+    checkpoint_fn: Any = field(default=None, compare=False, repr=False)
+
+    def describe(self) -> str:
+        kind = "selective AC" if self.selective else "full AC" if self.known else "custom AC"
+        if self.reentrant:
+            kind += " (reentrant)"
+        return kind
+
+
+@dataclass(frozen=True)
+class Decision:
+    path: str  # submodule path relative to the compile target ("" is the target)
+    module_type: str
+    action: Action
+    reason: str
+    region: bool = False  # this module's forward is compiled on its own
+    opaque: bool = False  # kept out of the enclosing region's trace (a deliberate break)
+    checkpoint: CheckpointSpec | None = None  # pushed-down AC applied inside this region
+    ac: CheckpointSpec | None = None  # the AC this wrapper had (HOIST / PUSH_DOWN / siblings)
+
+
+@dataclass(frozen=True)
+class Plan:
+    root_type: str
+    woven: bool
+    mode: str
+    strategy: str
+    fullgraph: bool
+    decisions: tuple[Decision, ...]
+    boundaries: tuple[tuple[str, str], ...]  # (path, reason)
+
+    def regions(self) -> list[Decision]:
+        return [d for d in self.decisions if d.region]
+
+    def decision(self, path: str) -> Decision | None:
+        for d in self.decisions:
+            if d.path == path:
+                return d
+        return None
+
+    def summary(self) -> str:
+        if not self.woven:
+            return f"{self.root_type}: {self.decisions[0].reason}"
+        return f"{self.root_type}: woven into {len(self.regions())} compiled regions"
+
+
+# -- reading the tree ---------------------------------------------------------------------
+
+
+def checkpoint_spec(module: nn.Module) -> CheckpointSpec | None:
+    """The AC a CheckpointWrapper applies, or ``None`` for any other module."""
+    try:
+        wrapper_cls = _compat.checkpoint_wrapper_class()
+    except _compat.UnsupportedTorch:
+        return None
+    if not isinstance(module, wrapper_cls):
+        return None
+    fn = getattr(module, "checkpoint_fn", None)
+    keywords = dict(getattr(fn, "keywords", {}) or {})
+    context_fn = keywords.get("context_fn")
+    selective = context_fn is not None and getattr(context_fn, "__name__", "") != "noop_context_fn"
+    impl = getattr(module, "checkpoint_impl", None)
+    reentrant = getattr(impl, "name", "") == "REENTRANT" or bool(keywords.get("use_reentrant"))
+    options = tuple(sorted((k, _short(v)) for k, v in keywords.items()))
+    known = getattr(getattr(fn, "func", None), "__name__", "") == "checkpoint"
+    return CheckpointSpec(selective, reentrant, options, known, checkpoint_fn=fn)
+
+
+def _short(value: Any) -> str:
+    func = getattr(value, "func", None)
+    if func is not None:  # functools.partial: name the function and the policy
+        args = ", ".join(getattr(a, "__name__", repr(a)) for a in getattr(value, "args", ()))
+        return f"{getattr(func, '__name__', func)}({args})"
+    return getattr(value, "__name__", repr(value))
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """See through an OptimizedModule (``_orig_mod``) to the module it compiles."""
+    try:
+        optimized = _compat.optimized_module()
+    except _compat.UnsupportedTorch:
+        return module
+    while isinstance(module, optimized):
+        module = module._orig_mod
+    return module
+
+
+def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+    for name, child in module.named_children():
+        yield (f"{prefix}.{name}" if prefix else name), child
+
+
+class _Tree:
+    """Memoised boundary facts for one planning pass."""
+
+    def __init__(self, classify: Classifier) -> None:
+        self.classify = classify
+        self._kind: dict[int, str | None] = {}
+        self._has: dict[int, bool] = {}
+
+    def kind(self, module: nn.Module) -> str | None:
+        key = id(module)
+        if key not in self._kind:
+            self._kind[key] = self.classify(module)
+        return self._kind[key]
+
+    def has_boundary_below(self, module: nn.Module) -> bool:
+        """Is there a boundary among the strict descendants of ``module``?"""
+        key = id(module)
+        if key not in self._has:
+            self._has[key] = any(
+                self.kind(child) is not None or self.has_boundary_below(child)
+                for child in module.children()
+            )
+        return self._has[key]
+
+    def traced_ac_over_boundary(self, module: nn.Module) -> bool:
+        """Would a compile of ``module`` trace a checkpoint that has a boundary inside?"""
+        for child in module.children():
+            if self.kind(child) is not None:
+                continue  # a boundary's own subtree is not traced by this compile
+            if checkpoint_spec(child) is not None and self.has_boundary_below(child):
+                return True
+            if self.traced_ac_over_boundary(child):
+                return True
+        return False
+
+
+# -- planning -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Context:
+    fullgraph: bool
+    strategy: str
+    checkpoint: CheckpointSpec | None = None  # AC pushed down into every region below
+
+
+class _Planner:
+    def __init__(self, tree: _Tree, strategy: str, fullgraph: bool) -> None:
+        self.tree = tree
+        self.strategy = strategy
+        self.fullgraph = fullgraph
+        self.out: list[Decision] = []
+
+    def add(self, path: str, module: nn.Module, action: Action, reason: str, **extra: Any) -> None:
+        self.out.append(Decision(path, type(module).__name__, action, reason, **extra))
+
+    # A module its parent calls eagerly (or the woven root): decide what it becomes.
+    def node(self, path: str, module: nn.Module, ctx: _Context) -> None:
+        module = unwrap(module)
+        kind = self.tree.kind(module)
+        if kind is not None:
+            self.boundary(path, module, kind, ctx)
+            return
+        spec = checkpoint_spec(module)
+        if spec is not None and self.tree.has_boundary_below(module):
+            self.checkpointed(path, module, spec, ctx, opaque=False)
+            return
+        if not self.tree.has_boundary_below(module):
+            self.region(path, module, ctx, Action.COMPILE, "no boundary inside: compiled whole")
+            return
+        if self.can_split(ctx) and self.strategy != "siblings":
+            self.split(path, module, ctx, "compiled; dynamo splits it at the boundaries inside")
+            return
+        why = (
+            "fullgraph: each region compiled on its own"
+            if ctx.fullgraph
+            else "AC pushed into each region"
+            if ctx.checkpoint
+            else "children compiled one by one"
+        )
+        self.add(path, module, Action.WEAVE, f"boundary inside; own forward eager, {why}")
+        for child_path, child in _walk(module, path):
+            self.node(child_path, child, ctx)
+
+    def can_split(self, ctx: _Context) -> bool:
+        # A split region may break at boundaries: impossible under fullgraph, and
+        # wrong under a pushed-down checkpoint (a break inside a traced
+        # checkpoint is exactly the fallback we avoid).
+        return not ctx.fullgraph and ctx.checkpoint is None
+
+    def region(self, path: str, module: nn.Module, ctx: _Context, action: Action, reason: str) -> None:
+        if ctx.checkpoint is not None:
+            reason += f", inside {ctx.checkpoint.describe()} pushed down"
+        self.add(path, module, action, reason, region=True, checkpoint=ctx.checkpoint)
+
+    def boundary(self, path: str, module: nn.Module, kind: str, ctx: _Context) -> None:
+        if boundaries.forward_disabled(module):
+            self.add(path, module, Action.EAGER, f"{kind}: left eager as the user asked")
+            return
+        if not self.tree.has_boundary_below(module):
+            self.region(path, module, ctx, Action.BOUNDARY, f"{kind} → hooks stay eager, forward compiled")
+            return
+        # A boundary inside a boundary: its own forward is planned like any module.
+        self.add(path, module, Action.BOUNDARY, f"{kind} → hooks stay eager, inner planned below")
+        if self.can_split(ctx) and self.strategy != "siblings":
+            self.out.pop()
+            self.split(path, module, ctx, f"{kind} → hooks stay eager, forward compiled and split at nested boundaries", action=Action.BOUNDARY)
+            return
+        for child_path, child in _walk(module, path):
+            self.node(child_path, child, ctx)
+
+    def checkpointed(self, path: str, module: nn.Module, spec: CheckpointSpec, ctx: _Context, *, opaque: bool) -> None:
+        inner_path = f"{path}._checkpoint_wrapped_module" if path else "_checkpoint_wrapped_module"
+        inner = module._checkpoint_wrapped_module
+        where = "kept out of the enclosing region, " if opaque else ""
+        strategy = self.strategy
+        if strategy == "auto":
+            if spec.selective or not spec.known:
+                strategy = "push-down"
+            elif self.fullgraph:
+                strategy = "siblings"
+            else:
+                strategy = "hoist"
+        if strategy == "push-down" and (spec.reentrant or ctx.checkpoint is not None):
+            strategy = "siblings"  # reentrant AC cannot be traced; nested AC stays as written
+        if strategy == "hoist" and (self.fullgraph or ctx.checkpoint is not None):
+            strategy = "siblings"
+        if strategy == "hoist":
+            self.add(path, module, Action.HOIST, f"{where}{spec.describe()} stays eager around a compile of the inner block", opaque=opaque, ac=spec)
+            self.split(inner_path, inner, ctx, "compiled under eager AC; dynamo splits it at the boundaries inside")
+        elif strategy == "push-down":
+            self.add(path, module, Action.PUSH_DOWN, f"{where}{spec.describe()} moved into each compiled region below", opaque=opaque, ac=spec)
+            self.node_inner(inner_path, inner, _Context(ctx.fullgraph, ctx.strategy, checkpoint=spec))
+        else:
+            self.add(path, module, Action.HOIST, f"{where}{spec.describe()} stays eager around compiled children", opaque=opaque, ac=spec)
+            self.node_inner(inner_path, inner, ctx, force_weave=True)
+
+    def node_inner(self, path: str, module: nn.Module, ctx: _Context, *, force_weave: bool = False) -> None:
+        if force_weave and self.tree.kind(module) is None and self.tree.has_boundary_below(module):
+            self.add(path, module, Action.WEAVE, "boundary inside; own forward eager, children compiled one by one")
+            for child_path, child in _walk(module, path):
+                self.node(child_path, child, ctx)
+            return
+        self.node(path, module, ctx)
+
+    def split(self, path: str, module: nn.Module, ctx: _Context, reason: str, action: Action = Action.SPLIT) -> None:
+        self.region(path, module, ctx, action, reason)
+        self.inside_split(path, module, ctx)
+
+    def inside_split(self, path: str, module: nn.Module, ctx: _Context) -> None:
+        # Descendants traced by a split region: boundaries break the graph by
+        # themselves; checkpoints over a boundary must be kept out of the trace.
+        for child_path, child in _walk(module, path):
+            child = unwrap(child)
+            kind = self.tree.kind(child)
+            if kind is not None:
+                self.boundary(child_path, child, kind, ctx)
+                continue
+            spec = checkpoint_spec(child)
+            if spec is not None and self.tree.has_boundary_below(child):
+                self.checkpointed(child_path, child, spec, ctx, opaque=True)
+            elif self.tree.has_boundary_below(child):
+                self.inside_split(child_path, child, ctx)
+
+
+def plan(
+    module: nn.Module,
+    *,
+    mode: str = "auto",
+    strategy: str = "auto",
+    fullgraph: bool = False,
+    classify: Classifier | None = None,
+) -> Plan:
+    """Decide how to compile ``module`` (the object handed to ``torch.compile``).
+
+    Compiles nothing. ``mode``: ``auto`` weaves only where plain torch.compile
+    would lose a checkpointed region (or fail under ``fullgraph``), ``always``
+    weaves whenever a boundary is inside, ``off`` never weaves. ``strategy``
+    places the AC of a woven block: ``hoist`` (eager AC around a compile that may
+    split), ``push-down`` (AC moved into each compiled region; keeps a selective
+    policy honoured), ``siblings`` (eager AC around children compiled one by
+    one), ``auto`` (hoist for full AC, push-down for selective AC).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} not understood (accepted: {', '.join(MODES)})")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} not understood (accepted: {', '.join(STRATEGIES)})")
+    tree = _Tree(classify or boundaries.classify)
+    target = unwrap(module)
+    found = tuple(
+        (name, tree.kind(m) or "")
+        for name, m in target.named_modules()
+        if m is not target and tree.kind(m) is not None
+    )
+    root_type = type(target).__name__
+
+    def plain(reason: str) -> Plan:
+        decision = Decision("", root_type, Action.PLAIN, reason)
+        return Plan(root_type, False, mode, strategy, fullgraph, (decision,), found)
+
+    if not found:
+        return plain("no boundary inside: compiled as plain torch.compile would")
+    if mode == "off":
+        return plain("weaving is off (mode=off): compiled as plain torch.compile would")
+    own_spec = checkpoint_spec(target)
+    traced_ac = own_spec is not None or tree.traced_ac_over_boundary(target)
+    if mode == "auto" and not traced_ac and not fullgraph:
+        return plain(
+            "boundaries inside but no checkpoint around them: plain torch.compile "
+            "splits the graph there and keeps the rest compiled"
+        )
+    planner = _Planner(tree, strategy, fullgraph)
+    planner.node("", target, _Context(fullgraph, strategy))
+    return Plan(root_type, True, mode, strategy, fullgraph, tuple(planner.out), found)

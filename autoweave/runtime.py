@@ -1,0 +1,325 @@
+"""The routing point: every compile and checkpoint_wrapper request passes through here.
+
+``torch.compile(module)`` still returns an ``OptimizedModule`` and
+``module.compile()`` still compiles in place; what changes is that the decision
+is deferred to the first forward. By then ``fully_shard`` has usually run (the
+common order is AC, then compile, then FSDP), so the boundaries are known. The
+decision is re-made if the module tree under the target changes later.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch.nn as nn
+
+from autoweave import _bootstrap, planner, weave
+from autoweave._failopen import guard
+from autoweave._log import logger, rank
+
+_off: contextvars.ContextVar[bool] = contextvars.ContextVar("autoweave_off", default=False)
+MODE_ATTR = "_autoweave_mode"
+STRATEGY_ATTR = "_autoweave_strategy"
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Compile requests made inside this block go to plain torch."""
+    token = _off.set(True)
+    try:
+        yield
+    finally:
+        _off.reset(token)
+
+
+def _original(name: str) -> Any:
+    from autoweave import patches
+
+    return patches.original(name)
+
+
+# -- routing ------------------------------------------------------------------------------
+
+
+def route_compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``torch.compile(...)``: weave-aware for modules, untouched for everything else."""
+    model = args[0] if args else kwargs.get("model")
+    if _off.get() or not isinstance(model, nn.Module):
+        # Functions, and the decorator form (model=None), which re-enters
+        # torch.compile with the function it decorates.
+        return wrapped(*args, **kwargs)
+    compiled = wrapped(*args, **kwargs)
+    with guard(f"preparing the weave for {type(model).__name__}") as failed:
+        _Dispatcher.attach_to_optimized(compiled, _compile_kwargs(args[1:], kwargs))
+    if failed:
+        return wrapped(*args, **kwargs)
+    return compiled
+
+
+def route_module_compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``module.compile(...)`` in place."""
+    if _off.get() or not isinstance(instance, nn.Module):
+        return wrapped(*args, **kwargs)
+    with guard(f"preparing the weave for {type(instance).__name__}") as failed:
+        _Dispatcher.attach_in_place(instance, _compile_kwargs(args, kwargs))
+    if failed:
+        return wrapped(*args, **kwargs)
+    return None
+
+
+def route_checkpoint_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``checkpoint_wrapper(...)``: plain result; a compiled target is re-planned under the new AC."""
+    wrapper = wrapped(*args, **kwargs)
+    if _off.get():
+        return wrapper
+    target = args[0] if args else kwargs.get("module")
+    dispatcher = getattr(target, "_autoweave_dispatcher", None) if target is not None else None
+    if dispatcher is not None:
+        # checkpoint_wrapper(torch.compile(block)): AC is outside the compile,
+        # which plain torch handles for full AC; remember it for the plan log.
+        dispatcher.outer_ac = planner.checkpoint_spec(wrapper)
+    return wrapper
+
+
+def _compile_kwargs(args: tuple, kwargs: dict) -> dict[str, Any]:
+    # torch.compile's options are keyword-only after ``model``; keep any
+    # positional extras out of the region calls rather than guess their names.
+    out = {k: v for k, v in kwargs.items() if k != "model"}
+    if args:
+        logger.debug("ignoring positional compile arguments %r", args)
+    return out
+
+
+# -- the deferred decision ----------------------------------------------------------------
+
+
+class _FallbackWatch(logging.Handler):
+    """Notices dynamo giving up on a checkpointed region (its own INFO message).
+
+    The message is logged by ``torch._dynamo.variables.higher_order_ops`` at
+    INFO; we listen for the first call only, and pass records on to torch's own
+    handlers when their level would have shown them.
+    """
+
+    LOGGER = "torch._dynamo.variables.higher_order_ops"
+    NEEDLE = "fall back to eager-mode PyTorch"
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.hits: list[str] = []
+        self._logger = logging.getLogger(self.LOGGER)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if self.NEEDLE in message:
+            self.hits.append(message)
+        if record.levelno >= self._saved_effective:
+            parent = self._logger.parent
+            if parent is not None:
+                parent.handle(record)
+
+    def __enter__(self) -> _FallbackWatch:
+        self._saved_level = self._logger.level
+        self._saved_effective = self._logger.getEffectiveLevel()
+        self._saved_propagate = self._logger.propagate
+        self._logger.addHandler(self)
+        self._logger.setLevel(logging.INFO)
+        self._logger.propagate = False
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._saved_level)
+        self._logger.propagate = self._saved_propagate
+
+
+class _RecompileLimitFilter(logging.Filter):
+    """Turns dynamo's recompile-limit warning for a woven region into an autoweave warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "hit config." in message and "autoweave_" in message:
+            logger.warning(
+                "a woven region hit dynamo's recompile limit and now runs eager: %s",
+                message.splitlines()[1].strip() if "\n" in message else message,
+            )
+        return True
+
+
+_recompile_filter_installed = False
+
+
+def _install_recompile_filter() -> None:
+    global _recompile_filter_installed
+    if not _recompile_filter_installed:
+        _recompile_filter_installed = True
+        logging.getLogger("torch._dynamo.convert_frame").addFilter(_RecompileLimitFilter())
+
+
+def _fingerprint(target: nn.Module) -> tuple:
+    from autoweave.boundaries import MARK
+
+    return tuple(
+        (name, type(m), getattr(m, MARK, None)) for name, m in target.named_modules()
+    )
+
+
+class _Dispatcher:
+    """Stands in for a compiled forward until the first call, then runs the plan."""
+
+    def __init__(
+        self,
+        target: nn.Module,
+        compile_kwargs: dict[str, Any],
+        plain: Callable[[], Callable[..., Any]],
+        eager: Callable[..., Any],
+    ) -> None:
+        self.target = target  # the module handed to compile (an AC wrapper, a block)
+        self.compile_kwargs = compile_kwargs
+        self._make_plain = plain
+        self._plain: Callable[..., Any] | None = None
+        self._eager = eager
+        self._lock = threading.RLock()
+        self._fingerprint: tuple | None = None
+        self._applied: weave.Applied | None = None
+        self._watch_first_call = False
+        self.plan: planner.Plan | None = None
+        self.outer_ac: planner.CheckpointSpec | None = None
+
+    # How the dispatcher is put in place -------------------------------------------------
+
+    @classmethod
+    def attach_to_optimized(cls, optimized: nn.Module, compile_kwargs: dict[str, Any]) -> None:
+        plain_forward = optimized.forward
+        target = optimized._orig_mod
+        dispatcher = cls(target, compile_kwargs, lambda: plain_forward, target.__call__)
+        optimized.forward = dispatcher
+        object.__setattr__(optimized, "_autoweave_dispatcher", dispatcher)
+
+    @classmethod
+    def attach_in_place(cls, module: nn.Module, compile_kwargs: dict[str, Any]) -> None:
+        previous = module.__dict__.get("_autoweave_dispatcher")
+        if previous is not None:
+            previous.release()  # compiled twice (pipeline stages do): one layer only
+        compile_fn = _original("compile")
+
+        def plain() -> Callable[..., Any]:
+            # Exactly what nn.Module.compile does.
+            return compile_fn(module._call_impl, **compile_kwargs)
+
+        dispatcher = cls(module, compile_kwargs, plain, module._call_impl)
+        module._compiled_call_impl = dispatcher
+        object.__setattr__(module, "_autoweave_dispatcher", dispatcher)
+
+    # The call path ----------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fingerprint is None or _fingerprint(self.target) != self._fingerprint:
+            self._decide()
+        if self._applied is not None:
+            return self._eager(*args, **kwargs)
+        if self._plain is None:
+            self._plain = self._make_plain()
+        if not self._watch_first_call:
+            return self._plain(*args, **kwargs)
+        self._watch_first_call = False
+        with _FallbackWatch() as watch:
+            out = self._plain(*args, **kwargs)
+        if watch.hits:
+            self._on_hidden_fallback(watch.hits)
+        return out
+
+    def _decide(self) -> None:
+        with self._lock:
+            fingerprint = _fingerprint(self.target)
+            if fingerprint == self._fingerprint:
+                return  # another thread decided while we waited
+            self.release()
+            settings = _bootstrap.settings()
+            mode = getattr(self.target, MODE_ATTR, None) or settings.mode
+            strategy = getattr(self.target, STRATEGY_ATTR, None) or settings.strategy
+            with guard(f"planning {type(self.target).__name__}") as failed:
+                plan = planner.plan(
+                    self.target,
+                    mode=mode,
+                    strategy=strategy,
+                    fullgraph=bool(self.compile_kwargs.get("fullgraph")),
+                )
+                self._apply(plan)
+            if failed:
+                self.plan = None
+                self._applied = None
+            # A boundary inside that plain torch copes with, unless a checkpoint
+            # hides in the forward's code: watch the first plain call for dynamo's
+            # fallback message and weave if it appears.
+            self._watch_first_call = (
+                self._applied is None and self.plan is not None and bool(self.plan.boundaries) and mode == "auto"
+            )
+            self._fingerprint = fingerprint
+
+    def _apply(self, plan: planner.Plan) -> None:
+        self.plan = plan
+        if not plan.woven:
+            logger.debug("%s", plan.summary())
+            return
+        _install_recompile_filter()
+        self._applied = weave.apply_plan(
+            planner.unwrap(self.target), plan, _original("compile"), self.compile_kwargs
+        )
+        if rank() == 0:
+            from autoweave import report
+
+            report.log_plan(plan)
+
+    def _on_hidden_fallback(self, hits: list[str]) -> None:
+        with self._lock, guard(f"re-planning {type(self.target).__name__}") as failed:
+            logger.info(
+                "%s: dynamo fell back to eager on a checkpoint inside its forward; "
+                "weaving its children instead",
+                type(self.target).__name__,
+            )
+            plan = planner.plan(
+                self.target,
+                mode="always",
+                strategy="siblings",
+                fullgraph=bool(self.compile_kwargs.get("fullgraph")),
+            )
+            self._apply(plan)
+        if failed:
+            self._applied = None
+
+    def release(self) -> None:
+        """Undo what the current plan installed (before a re-plan)."""
+        with self._lock:
+            if self._applied is not None:
+                self._applied.revert()
+                self._applied = None
+
+
+def dispatcher_of(module: nn.Module) -> _Dispatcher | None:
+    """The autoweave dispatcher behind ``torch.compile(module)`` or ``module.compile()``."""
+    return module.__dict__.get("_autoweave_dispatcher")
+
+
+def set_mode(module: nn.Module, mode: str | None = None, *, strategy: str | None = None) -> nn.Module:
+    """Per-module override of ``AUTOWEAVE_MODE`` / ``AUTOWEAVE_STRATEGY``; returns the module."""
+    if mode is not None and mode not in planner.MODES:
+        raise ValueError(f"mode={mode!r} not understood (accepted: {', '.join(planner.MODES)})")
+    if strategy is not None and strategy not in planner.STRATEGIES:
+        raise ValueError(
+            f"strategy={strategy!r} not understood (accepted: {', '.join(planner.STRATEGIES)})"
+        )
+    target = planner.unwrap(module)
+    for obj in {id(module): module, id(target): target}.values():
+        if mode is not None:
+            object.__setattr__(obj, MODE_ATTR, mode)
+        if strategy is not None:
+            object.__setattr__(obj, STRATEGY_ATTR, strategy)
+    return module
+
+
+__all__ = ["disabled", "dispatcher_of", "route_checkpoint_wrapper", "route_compile", "route_module_compile", "set_mode"]
