@@ -7,8 +7,9 @@ standard library; torch-dependent names load on first use.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from autoweave import _bootstrap
 
@@ -45,9 +46,7 @@ def enable() -> bool:
     if not forced.enabled:
         import logging
 
-        logging.getLogger("autoweave").warning(
-            "enable() ignored: %s is set for this run", AUTOWEAVE_DISABLE
-        )
+        logging.getLogger("autoweave").warning("enable() ignored: %s is set for this run", AUTOWEAVE_DISABLE)
         return False
     if not settings.enabled:
         _bootstrap.reload_settings(forced)
@@ -106,7 +105,9 @@ def set_mode(module: nn.Module, mode: str | None = None, *, strategy: str | None
     return runtime.set_mode(module, mode, strategy=strategy)
 
 
-def plan(module: nn.Module, *, fullgraph: bool = False, mode: str | None = None, strategy: str | None = None) -> Plan:
+def plan(
+    module: nn.Module, *, fullgraph: bool = False, mode: str | None = None, strategy: str | None = None
+) -> Plan:
     """The plan autoweave would apply to ``torch.compile(module)`` now, without compiling."""
     from autoweave import planner
 

@@ -6,17 +6,21 @@ patches) are imported by the hooks, when torch itself is imported.
 
 from __future__ import annotations
 
+import _thread
 import sys
-import threading
-from typing import Any
+# Not `from typing import TYPE_CHECKING`: typing costs milliseconds at start-up.
+TYPE_CHECKING = False
 
-from autoweave import _importhook, _log
+from autoweave import _importhook
 from autoweave._settings import Settings
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any
 
 TORCH = "torch"
 CHECKPOINT_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 
-_lock = threading.RLock()
+_lock = _thread.RLock()
 _settings: Settings | None = None
 _hooks_registered = False
 _problems_reported = False
@@ -53,15 +57,17 @@ def startup() -> None:
     """Entry point of the start-up file; never raises, whatever happens."""
     try:
         current = settings()
-        _log.configure(current.log_level)
+        if current.log_level is not None:
+            from autoweave import _log
+
+            _log.configure(current.log_level)
         _report_problems(current)
         if current.enabled:
             install()
     except BaseException as exc:  # noqa: BLE001 - a .pth must never break Python
         try:
             sys.stderr.write(
-                f"autoweave: [startup-failed] {type(exc).__name__}: {exc}; "
-                "continuing without autoweave\n"
+                f"autoweave: [startup-failed] {type(exc).__name__}: {exc}; continuing without autoweave\n"
             )
         except Exception:
             pass
@@ -70,14 +76,12 @@ def startup() -> None:
 def install() -> None:
     """Patch torch now if it is imported, else when it is; idempotent."""
     global _hooks_registered
-    from autoweave._failopen import guard
-
-    with _lock, guard("installing the import hooks", fallback="continuing without autoweave"):
+    with _lock:
         if _hooks_registered:
             return
         _hooks_registered = True
-        # The checkpoint_wrapper hook is registered first so that it is in
-        # place when torch's own import pulls that module in.
+        # Registering is plain dictionary work; the hooks themselves carry the
+        # fail-open guard (importing logging here would cost every process).
         _importhook.register(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
         _importhook.register(TORCH, _on_torch_import)
 

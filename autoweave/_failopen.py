@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from autoweave._log import logger, rank
 

@@ -1,26 +1,30 @@
-"""Post-import hooks with the standard library only.
+"""Post-import hooks with nothing but ``sys`` and ``_thread``.
 
 wrapt has post-import hooks too, but importing wrapt costs ~80 ms and the
-start-up file must not pay that in processes that never import torch. This
-finder costs one dictionary lookup per import.
+start-up file must not pay that in processes that never import torch; even
+``importlib.abc`` pulls in ``typing``. This finder costs one dictionary lookup
+per import.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
+import _thread
 import sys
-import threading
-from typing import Any, Callable
+# Not `from typing import TYPE_CHECKING`: typing costs milliseconds at start-up.
+TYPE_CHECKING = False
 
-Hook = Callable[[Any], None]
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
+    from typing import Any
 
-_lock = threading.RLock()
+    Hook = Callable[[Any], None]
+
+_lock = _thread.RLock()
 _hooks: dict[str, list[Hook]] = {}
 _busy: set[str] = set()
 
 
-class _ChainedLoader(importlib.abc.Loader):
+class _ChainedLoader:
     """Runs the real loader, then the hooks for the module it just executed."""
 
     def __init__(self, loader: Any) -> None:
@@ -35,7 +39,7 @@ class _ChainedLoader(importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
-        # Restore the real loader so later introspection sees what it expects.
+        # Put the real loader back so later introspection sees what it expects.
         spec = getattr(module, "__spec__", None)
         if spec is not None and spec.loader is self:
             spec.loader = self._loader
@@ -44,7 +48,7 @@ class _ChainedLoader(importlib.abc.Loader):
         _fire(module.__name__)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname not in _hooks:
             return None
@@ -53,8 +57,14 @@ class _Finder(importlib.abc.MetaPathFinder):
                 return None
             _busy.add(fullname)
         try:
-            # Ask the finders after us; we are skipped while busy.
-            spec = importlib.util.find_spec(fullname)
+            spec = None
+            # Ask the finders after us, as the import system would have.
+            for finder in list(sys.meta_path):
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
         except Exception:
             return None
         finally:
@@ -85,7 +95,7 @@ def register(name: str, hook: Hook) -> None:
         if _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)
     module = sys.modules.get(name)
-    if module is not None and _fully_imported(module):
+    if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
         hook(module)
 
 
@@ -95,8 +105,3 @@ def unregister_all() -> None:
         _hooks.clear()
         if _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
-
-
-def _fully_imported(module: Any) -> bool:
-    spec = getattr(module, "__spec__", None)
-    return not getattr(spec, "_initializing", False)

@@ -28,8 +28,6 @@ def configure(level: str | None) -> None:
         return
     if _handler is None:
         _handler = logging.StreamHandler(sys.stderr)
-        _handler.setFormatter(
-            logging.Formatter(f"[autoweave rank{rank()}] %(levelname)s %(message)s")
-        )
+        _handler.setFormatter(logging.Formatter(f"[autoweave rank{rank()}] %(levelname)s %(message)s"))
         logger.addHandler(_handler)
     logger.setLevel(level.upper())

@@ -7,8 +7,11 @@ process where ``AUTOWEAVE`` is set, long before torch is loaded.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Mapping
+# Not `from typing import TYPE_CHECKING`: typing costs milliseconds at start-up.
+TYPE_CHECKING = False
+
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Mapping
 
 # Each variable is a named constant with its one-line meaning; the README's
 # switches table is checked against ``VARIABLES`` by a test.
@@ -38,19 +41,63 @@ MODES = ("auto", "always", "off")
 STRATEGIES = ("auto", "hoist", "push-down", "siblings")
 
 
-@dataclass(frozen=True)
 class Settings:
-    """Effective settings for this process, parsed once from the environment."""
+    """Effective settings for this process, parsed once from the environment.
 
-    enabled: bool = False
-    disabled_patches: frozenset[str] = frozenset()
-    log_level: str | None = None
-    strict: bool = False
-    mode: str = "auto"
-    strategy: str = "auto"
+    A plain frozen class rather than a dataclass: ``dataclasses`` costs ~6 ms
+    to import, paid at start-up by every process with ``AUTOWEAVE`` set.
+    """
+
+    __slots__ = ("enabled", "disabled_patches", "log_level", "strict", "mode", "strategy", "problems")
+
+    enabled: bool
+    disabled_patches: frozenset[str]
+    log_level: str | None
+    strict: bool
+    mode: str
+    strategy: str
     # Human-readable complaints about values we could not use; each names the
     # variable and the accepted values.
-    problems: tuple[str, ...] = field(default=())
+    problems: tuple[str, ...]
+
+    def __init__(
+        self,
+        enabled: bool = False,
+        disabled_patches: frozenset[str] = frozenset(),
+        log_level: str | None = None,
+        strict: bool = False,
+        mode: str = "auto",
+        strategy: str = "auto",
+        problems: tuple[str, ...] = (),
+    ) -> None:
+        for name, value in zip(
+            self.__slots__,
+            (enabled, disabled_patches, log_level, strict, mode, strategy, problems),
+            strict=True,
+        ):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Settings is frozen")
+
+    def _values(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Settings) and self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"Settings({fields})"
+
+    def as_dict(self) -> dict[str, object]:
+        out = {name: getattr(self, name) for name in self.__slots__}
+        out["disabled_patches"] = sorted(self.disabled_patches)
+        out["problems"] = list(self.problems)
+        return out
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:

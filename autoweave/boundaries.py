@@ -7,7 +7,7 @@ planner's business. ``classify`` returns a short human reason, or ``None``.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch.nn as nn
 

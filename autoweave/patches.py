@@ -8,8 +8,9 @@ so otherwise. The wrappers do nothing but route the call to ``runtime``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import wrapt
 

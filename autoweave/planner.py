@@ -12,8 +12,9 @@ runs eager, forward and recompute), which is the loss autoweave exists to avoid.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch.nn as nn
 
@@ -155,8 +156,7 @@ class _Tree:
         key = id(module)
         if key not in self._has:
             self._has[key] = any(
-                self.kind(child) is not None or self.has_boundary_below(child)
-                for child in module.children()
+                self.kind(child) is not None or self.has_boundary_below(child) for child in module.children()
             )
         return self._has[key]
 
@@ -242,12 +242,20 @@ class _Planner:
         self.add(path, module, Action.BOUNDARY, f"{kind} → hooks stay eager, inner planned below")
         if self.can_split(ctx) and self.strategy != "siblings":
             self.out.pop()
-            self.split(path, module, ctx, f"{kind} → hooks stay eager, forward compiled and split at nested boundaries", action=Action.BOUNDARY)
+            self.split(
+                path,
+                module,
+                ctx,
+                f"{kind} → hooks stay eager, forward compiled and split at nested boundaries",
+                action=Action.BOUNDARY,
+            )
             return
         for child_path, child in _walk(module, path):
             self.node(child_path, child, ctx)
 
-    def checkpointed(self, path: str, module: nn.Module, spec: CheckpointSpec, ctx: _Context, *, opaque: bool) -> None:
+    def checkpointed(
+        self, path: str, module: nn.Module, spec: CheckpointSpec, ctx: _Context, *, opaque: bool
+    ) -> None:
         inner_path = f"{path}._checkpoint_wrapped_module" if path else "_checkpoint_wrapped_module"
         inner = module._checkpoint_wrapped_module
         where = "kept out of the enclosing region, " if opaque else ""
@@ -264,24 +272,51 @@ class _Planner:
         if strategy == "hoist" and (self.fullgraph or ctx.checkpoint is not None):
             strategy = "siblings"
         if strategy == "hoist":
-            self.add(path, module, Action.HOIST, f"{where}{spec.describe()} stays eager around a compile of the inner block", opaque=opaque, ac=spec)
-            self.split(inner_path, inner, ctx, "compiled under eager AC; dynamo splits it at the boundaries inside")
+            self.add(
+                path,
+                module,
+                Action.HOIST,
+                f"{where}{spec.describe()} stays eager around a compile of the inner block",
+                opaque=opaque,
+                ac=spec,
+            )
+            self.split(
+                inner_path, inner, ctx, "compiled under eager AC; dynamo splits it at the boundaries inside"
+            )
         elif strategy == "push-down":
-            self.add(path, module, Action.PUSH_DOWN, f"{where}{spec.describe()} moved into each compiled region below", opaque=opaque, ac=spec)
+            self.add(
+                path,
+                module,
+                Action.PUSH_DOWN,
+                f"{where}{spec.describe()} moved into each compiled region below",
+                opaque=opaque,
+                ac=spec,
+            )
             self.node_inner(inner_path, inner, _Context(ctx.fullgraph, ctx.strategy, checkpoint=spec))
         else:
-            self.add(path, module, Action.HOIST, f"{where}{spec.describe()} stays eager around compiled children", opaque=opaque, ac=spec)
+            self.add(
+                path,
+                module,
+                Action.HOIST,
+                f"{where}{spec.describe()} stays eager around compiled children",
+                opaque=opaque,
+                ac=spec,
+            )
             self.node_inner(inner_path, inner, ctx, force_weave=True)
 
     def node_inner(self, path: str, module: nn.Module, ctx: _Context, *, force_weave: bool = False) -> None:
         if force_weave and self.tree.kind(module) is None and self.tree.has_boundary_below(module):
-            self.add(path, module, Action.WEAVE, "boundary inside; own forward eager, children compiled one by one")
+            self.add(
+                path, module, Action.WEAVE, "boundary inside; own forward eager, children compiled one by one"
+            )
             for child_path, child in _walk(module, path):
                 self.node(child_path, child, ctx)
             return
         self.node(path, module, ctx)
 
-    def split(self, path: str, module: nn.Module, ctx: _Context, reason: str, action: Action = Action.SPLIT) -> None:
+    def split(
+        self, path: str, module: nn.Module, ctx: _Context, reason: str, action: Action = Action.SPLIT
+    ) -> None:
         self.region(path, module, ctx, action, reason)
         self.inside_split(path, module, ctx)
 

@@ -32,7 +32,9 @@ def format_plan(plan: Plan, *, name: str = "") -> str:
     head = f"{name or plan.root_type} ({plan.root_type}): "
     if not plan.woven:
         return head + plan.decisions[0].reason
-    lines = [head + f"woven, {len(plan.regions())} compiled regions (mode={plan.mode}, strategy={plan.strategy})"]
+    lines = [
+        head + f"woven, {len(plan.regions())} compiled regions (mode={plan.mode}, strategy={plan.strategy})"
+    ]
     for decision in plan.decisions:
         shown = display_path(decision.path)
         depth = 0 if shown == "<root>" else shown.count(".") + 1

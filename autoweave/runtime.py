@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _bootstrap, planner, weave
+from autoweave import _bootstrap, capture, planner, weave
 from autoweave._failopen import guard
 from autoweave._log import logger, rank
 
@@ -97,46 +98,6 @@ def _compile_kwargs(args: tuple, kwargs: dict) -> dict[str, Any]:
 # -- the deferred decision ----------------------------------------------------------------
 
 
-class _FallbackWatch(logging.Handler):
-    """Notices dynamo giving up on a checkpointed region (its own INFO message).
-
-    The message is logged by ``torch._dynamo.variables.higher_order_ops`` at
-    INFO; we listen for the first call only, and pass records on to torch's own
-    handlers when their level would have shown them.
-    """
-
-    LOGGER = "torch._dynamo.variables.higher_order_ops"
-    NEEDLE = "fall back to eager-mode PyTorch"
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.hits: list[str] = []
-        self._logger = logging.getLogger(self.LOGGER)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if self.NEEDLE in message:
-            self.hits.append(message)
-        if record.levelno >= self._saved_effective:
-            parent = self._logger.parent
-            if parent is not None:
-                parent.handle(record)
-
-    def __enter__(self) -> _FallbackWatch:
-        self._saved_level = self._logger.level
-        self._saved_effective = self._logger.getEffectiveLevel()
-        self._saved_propagate = self._logger.propagate
-        self._logger.addHandler(self)
-        self._logger.setLevel(logging.INFO)
-        self._logger.propagate = False
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._logger.removeHandler(self)
-        self._logger.setLevel(self._saved_level)
-        self._logger.propagate = self._saved_propagate
-
-
 class _RecompileLimitFilter(logging.Filter):
     """Turns dynamo's recompile-limit warning for a woven region into an autoweave warning."""
 
@@ -163,9 +124,7 @@ def _install_recompile_filter() -> None:
 def _fingerprint(target: nn.Module) -> tuple:
     from autoweave.boundaries import MARK
 
-    return tuple(
-        (name, type(m), getattr(m, MARK, None)) for name, m in target.named_modules()
-    )
+    return tuple((name, type(m), getattr(m, MARK, None)) for name, m in target.named_modules())
 
 
 class _Dispatcher:
@@ -227,10 +186,10 @@ class _Dispatcher:
         if not self._watch_first_call:
             return self._plain(*args, **kwargs)
         self._watch_first_call = False
-        with _FallbackWatch() as watch:
+        with capture.FallbackCounter() as watch:
             out = self._plain(*args, **kwargs)
-        if watch.hits:
-            self._on_hidden_fallback(watch.hits)
+        if watch.count:
+            self._on_hidden_fallback(watch.messages)
         return out
 
     def _decide(self) -> None:
@@ -257,7 +216,10 @@ class _Dispatcher:
             # hides in the forward's code: watch the first plain call for dynamo's
             # fallback message and weave if it appears.
             self._watch_first_call = (
-                self._applied is None and self.plan is not None and bool(self.plan.boundaries) and mode == "auto"
+                self._applied is None
+                and self.plan is not None
+                and bool(self.plan.boundaries)
+                and mode == "auto"
             )
             self._fingerprint = fingerprint
 
@@ -310,9 +272,7 @@ def set_mode(module: nn.Module, mode: str | None = None, *, strategy: str | None
     if mode is not None and mode not in planner.MODES:
         raise ValueError(f"mode={mode!r} not understood (accepted: {', '.join(planner.MODES)})")
     if strategy is not None and strategy not in planner.STRATEGIES:
-        raise ValueError(
-            f"strategy={strategy!r} not understood (accepted: {', '.join(planner.STRATEGIES)})"
-        )
+        raise ValueError(f"strategy={strategy!r} not understood (accepted: {', '.join(planner.STRATEGIES)})")
     target = planner.unwrap(module)
     for obj in {id(module): module, id(target): target}.values():
         if mode is not None:
@@ -322,4 +282,11 @@ def set_mode(module: nn.Module, mode: str | None = None, *, strategy: str | None
     return module
 
 
-__all__ = ["disabled", "dispatcher_of", "route_checkpoint_wrapper", "route_compile", "route_module_compile", "set_mode"]
+__all__ = [
+    "disabled",
+    "dispatcher_of",
+    "route_checkpoint_wrapper",
+    "route_compile",
+    "route_module_compile",
+    "set_mode",
+]
