@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import _thread
 import sys
-# Not `from typing import TYPE_CHECKING`: typing costs milliseconds at start-up.
-TYPE_CHECKING = False
 
 from autoweave import _importhook
-from autoweave._settings import Settings
+from autoweave._settings import TYPE_CHECKING, Settings
 
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any

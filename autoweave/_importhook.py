@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import _thread
 import sys
+
 # Not `from typing import TYPE_CHECKING`: typing costs milliseconds at start-up.
 TYPE_CHECKING = False
 

@@ -7,6 +7,7 @@ process where ``AUTOWEAVE`` is set, long before torch is loaded.
 from __future__ import annotations
 
 import os
+
 # Not `from typing import TYPE_CHECKING`: typing costs milliseconds at start-up.
 TYPE_CHECKING = False
 
