@@ -48,7 +48,15 @@ class Capture:
         compile_inner = lookup_backend(inner) if isinstance(inner, str) else inner
 
         def counting(gm: Any, example_inputs: Any) -> Any:
-            ops = sum(1 for node in gm.graph.nodes if node.op == "call_function")
+            # Higher-order ops (the checkpoint of a traced AC region) keep their
+            # bodies in sub-GraphModules: count those ops too.
+            ops = sum(
+                1
+                for module in gm.modules()
+                if hasattr(module, "graph")
+                for node in module.graph.nodes
+                if node.op == "call_function"
+            )
             with self._lock:
                 self.graphs.append(GraphRecord(gm._get_name() if hasattr(gm, "_get_name") else "graph", ops))
             return compile_inner(gm, example_inputs)

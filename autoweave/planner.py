@@ -132,6 +132,28 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module
 
 
+_CHECKPOINT_NAMES = frozenset({"checkpoint", "checkpoint_sequential"})
+
+
+def calls_checkpoint(module: nn.Module) -> bool:
+    """Does this module's own forward call ``torch.utils.checkpoint`` (read from its bytecode)?
+
+    A heuristic: a checkpoint written inside a forward is invisible in the module
+    tree. When it misses one, the runtime still notices dynamo's fallback at the
+    first call and weaves from the next call on.
+    """
+    forward = module.__dict__.get("forward") or type(module).forward
+    forward = getattr(forward, boundaries.PRIOR, None) or forward
+    code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+    stack = [code] if code is not None else []
+    while stack:
+        current = stack.pop()
+        if _CHECKPOINT_NAMES & set(current.co_names):
+            return True
+        stack.extend(c for c in current.co_consts if hasattr(c, "co_names"))
+    return False
+
+
 def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
     for name, child in module.named_children():
         yield (f"{prefix}.{name}" if prefix else name), child
@@ -162,6 +184,8 @@ class _Tree:
 
     def traced_ac_over_boundary(self, module: nn.Module) -> bool:
         """Would a compile of ``module`` trace a checkpoint that has a boundary inside?"""
+        if self.has_boundary_below(module) and calls_checkpoint(module):
+            return True
         for child in module.children():
             if self.kind(child) is not None:
                 continue  # a boundary's own subtree is not traced by this compile
@@ -193,9 +217,12 @@ class _Planner:
         self.out.append(Decision(path, type(module).__name__, action, reason, **extra))
 
     # A module its parent calls eagerly (or the woven root): decide what it becomes.
-    def node(self, path: str, module: nn.Module, ctx: _Context) -> None:
+    def node(self, path: str, module: nn.Module, ctx: _Context, *, root: bool = False) -> None:
         module = unwrap(module)
-        kind = self.tree.kind(module)
+        # The compile target's own hooks run outside its compiled call whatever
+        # it is (an FSDP unit after `fully_shard(block)`), so it is never a
+        # boundary of its own plan.
+        kind = None if root else self.tree.kind(module)
         if kind is not None:
             self.boundary(path, module, kind, ctx)
             return
@@ -206,11 +233,14 @@ class _Planner:
         if not self.tree.has_boundary_below(module):
             self.region(path, module, ctx, Action.COMPILE, "no boundary inside: compiled whole")
             return
-        if self.can_split(ctx) and self.strategy != "siblings":
+        hidden = calls_checkpoint(module)
+        if self.can_split(ctx) and self.strategy != "siblings" and not hidden:
             self.split(path, module, ctx, "compiled; dynamo splits it at the boundaries inside")
             return
         why = (
-            "fullgraph: each region compiled on its own"
+            "its forward calls checkpoint: children compiled one by one"
+            if hidden
+            else "fullgraph: each region compiled on its own"
             if ctx.fullgraph
             else "AC pushed into each region"
             if ctx.checkpoint
@@ -332,6 +362,16 @@ class _Planner:
             spec = checkpoint_spec(child)
             if spec is not None and self.tree.has_boundary_below(child):
                 self.checkpointed(child_path, child, spec, ctx, opaque=True)
+            elif self.tree.has_boundary_below(child) and calls_checkpoint(child):
+                self.add(
+                    child_path,
+                    child,
+                    Action.WEAVE,
+                    "kept out of the enclosing region; its forward calls checkpoint: children compiled one by one",
+                    opaque=True,
+                )
+                for grand_path, grand in _walk(child, child_path):
+                    self.node(grand_path, grand, ctx)
             elif self.tree.has_boundary_below(child):
                 self.inside_split(child_path, child, ctx)
 
@@ -383,5 +423,5 @@ def plan(
             "splits the graph there and keeps the rest compiled"
         )
     planner = _Planner(tree, strategy, fullgraph)
-    planner.node("", target, _Context(fullgraph, strategy))
+    planner.node("", target, _Context(fullgraph, strategy), root=True)
     return Plan(root_type, True, mode, strategy, fullgraph, tuple(planner.out), found)

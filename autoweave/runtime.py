@@ -146,6 +146,7 @@ class _Dispatcher:
         self._fingerprint: tuple | None = None
         self._applied: weave.Applied | None = None
         self._watch_first_call = False
+        self._pending: planner.Plan | None = None
         self.plan: planner.Plan | None = None
         self.outer_ac: planner.CheckpointSpec | None = None
 
@@ -177,6 +178,8 @@ class _Dispatcher:
     # The call path ----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pending is not None:
+            self._apply_pending()
         if self._fingerprint is None or _fingerprint(self.target) != self._fingerprint:
             self._decide()
         if self._applied is not None:
@@ -238,19 +241,27 @@ class _Dispatcher:
             report.log_plan(plan)
 
     def _on_hidden_fallback(self, hits: list[str]) -> None:
-        with self._lock, guard(f"re-planning {type(self.target).__name__}") as failed:
+        with self._lock, guard(f"re-planning {type(self.target).__name__}"):
             logger.info(
                 "%s: dynamo fell back to eager on a checkpoint inside its forward; "
-                "weaving its children instead",
+                "weaving its children from the next call on",
                 type(self.target).__name__,
             )
-            plan = planner.plan(
+            # Applied at the next call, not now: this call's backward will
+            # recompute its checkpoints through the modules as they ran.
+            self._pending = planner.plan(
                 self.target,
                 mode="always",
                 strategy="siblings",
                 fullgraph=bool(self.compile_kwargs.get("fullgraph")),
             )
-            self._apply(plan)
+
+    def _apply_pending(self) -> None:
+        with self._lock, guard(f"weaving {type(self.target).__name__}") as failed:
+            plan, self._pending = self._pending, None
+            if plan is not None:
+                self.release()
+                self._apply(plan)
         if failed:
             self._applied = None
 

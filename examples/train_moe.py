@@ -149,9 +149,7 @@ class MoE(nn.Module):
         super().__init__()
         self.n_routed_experts = args.n_routed_experts
         self.router = Router(args.dim, args.n_routed_experts, args.top_k)
-        self.experts = GroupedExperts(
-            args.dim, args.moe_inter_dim, args.n_routed_experts
-        )
+        self.experts = GroupedExperts(args.dim, args.moe_inter_dim, args.n_routed_experts)
         # The shared experts are fused into one wider MLP, as in DeepSeek-V3.
         self.shared_experts = MLP(args.dim, args.moe_inter_dim * args.n_shared_experts)
 
@@ -199,9 +197,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by layer index (torchtitan style) keeps FQNs stable
         # when blocks are replaced by wrappers or dropped for pipelining.
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
-        )
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
@@ -267,9 +263,7 @@ def apply_ac(model: Transformer, mode: str) -> None:
         raise ValueError(f"unknown AC mode {mode!r}")
     kwargs: dict[str, Any] = {}
     if mode == "selective":
-        kwargs["context_fn"] = functools.partial(
-            create_selective_checkpoint_contexts, _selective_policy
-        )
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
     for key, block in model.layers.items():
         # The RNG state need not be preserved: the model has no dropout.
         model.layers[key] = ptd_checkpoint_wrapper.checkpoint_wrapper(
@@ -277,15 +271,11 @@ def apply_ac(model: Transformer, mode: str) -> None:
         )
 
 
-def apply_compile(
-    model: Transformer, backend: str, style: str, fullgraph: bool
-) -> None:
+def apply_compile(model: Transformer, backend: str, style: str, fullgraph: bool) -> None:
     """Compile each block separately: blocks share code, so graphs are reused."""
     for key, block in model.layers.items():
         if style == "wrap":
-            model.layers[key] = torch.compile(
-                block, backend=backend, fullgraph=fullgraph
-            )
+            model.layers[key] = torch.compile(block, backend=backend, fullgraph=fullgraph)
         elif style == "inplace":
             block.compile(backend=backend, fullgraph=fullgraph)
         else:
@@ -330,8 +320,10 @@ def parallelize(
 
     - AC first, so the compiled region contains the checkpointed block and the
       compiler sees (and can optimise) recomputation.
-    - Compile before FSDP, so FSDP's hooks sit outside the compiled graph: its
-      all-gathers and reduce-scatters run eagerly around each compiled block.
+    - Compile before FSDP, so each block's FSDP hooks sit outside its compiled
+      graph: all-gathers and reduce-scatters run eagerly around the block. A
+      nested unit (``experts_fsdp="separate"``) necessarily has its hooks inside
+      the compiled, checkpointed block, which Dynamo cannot trace as one graph.
     - FSDP last, wrapping the finished blocks bottom-up.
     """
     apply_ac(model, ac)
@@ -354,28 +346,34 @@ def _free_port() -> int:
 
 def init_distributed() -> tuple[int, int, torch.device]:
     """Init the process group from torchrun's env, or as a 1-rank gloo group."""
+    single_env: dict[str, str] = {}
     if "WORLD_SIZE" not in os.environ:
-        # Plain `python train_moe.py`: a world of one still exercises FSDP.
-        os.environ.update(
-            MASTER_ADDR="localhost",
-            MASTER_PORT=str(_free_port()),
-            RANK="0",
-            LOCAL_RANK="0",
-            WORLD_SIZE="1",
-        )
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl")
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        # Plain `python train_moe.py` (or an in-process call): a world of one
+        # still exercises FSDP. The env vars are removed again after init so a
+        # later call in the same process picks a fresh port.
+        single_env = {
+            "MASTER_ADDR": "localhost",
+            "MASTER_PORT": str(_free_port()),
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+        }
+        os.environ.update(single_env)
+    try:
+        if torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl")
+        else:
+            device = torch.device("cpu")
+            dist.init_process_group("gloo")
+    finally:
+        for key in single_env:
+            os.environ.pop(key, None)
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def make_batch(
-    step: int, seed: int, batch_size: int, args: ModelArgs
-) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(step: int, seed: int, batch_size: int, args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic global batch (inputs, targets) for ``step``.
 
     Sequences follow a fixed random successor table with 10% noise, so there is
@@ -388,19 +386,17 @@ def make_batch(
     seq = torch.empty(batch_size, args.seq_len + 1, dtype=torch.long)
     seq[:, 0] = torch.randint(args.vocab_size, (batch_size,), generator=gen)
     noise = torch.rand(batch_size, args.seq_len, generator=gen) < 0.1
-    random_tokens = torch.randint(
-        args.vocab_size, (batch_size, args.seq_len), generator=gen
-    )
+    random_tokens = torch.randint(args.vocab_size, (batch_size, args.seq_len), generator=gen)
     for t in range(args.seq_len):
-        seq[:, t + 1] = torch.where(
-            noise[:, t], random_tokens[:, t], successor[seq[:, t]]
-        )
+        seq[:, t + 1] = torch.where(noise[:, t], random_tokens[:, t], successor[seq[:, t]])
     return seq[:, :-1], seq[:, 1:]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     defaults = ModelArgs()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description="Train a tiny MoE LM with FSDP2, activation checkpointing and torch.compile."
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--layers", type=int, default=defaults.n_layers)
     p.add_argument("--dim", type=int, default=defaults.dim)
@@ -413,9 +409,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=defaults.seq_len)
     p.add_argument("--ac", choices=("none", "full", "selective"), default="full")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument(
-        "--backend", default="inductor", help='e.g. "aot_eager" for fast tests'
-    )
+    p.add_argument("--backend", default="inductor", help='e.g. "aot_eager" for fast tests')
     p.add_argument("--compile-style", choices=("wrap", "inplace"), default="wrap")
     p.add_argument("--fullgraph", action="store_true")
     p.add_argument("--experts-fsdp", choices=("separate", "shared"), default="separate")
@@ -430,9 +424,7 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
     args = parse_args(argv)
     rank, world, device = init_distributed()
     if args.batch_size % world:
-        raise SystemExit(
-            f"--batch-size {args.batch_size} not divisible by {world} ranks"
-        )
+        raise SystemExit(f"--batch-size {args.batch_size} not divisible by {world} ranks")
     local_bs = args.batch_size // world
 
     model_args = ModelArgs(n_layers=args.layers, dim=args.dim, seq_len=args.seq_len)
@@ -494,6 +486,9 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
                     },
                     f,
                 )
+    # Tearing gloo down while a peer is still mid-collective can abort the
+    # process ("terminate called without an active exception"); sync first.
+    dist.barrier()
     dist.destroy_process_group()
     return losses
 

@@ -1,0 +1,307 @@
+"""Build the example MoE under each way users (and hand-written weaves) apply AC, compile and FSDP,
+train a few steps, and measure what compiled. One torchrun worker for the tests and the benchmark.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/moe_variants.py \\
+        --variants compile_ac:on,compile_ac:off --steps 3 --out results.json
+
+A variant is ``ORDER:AUTOWEAVE`` (``on``/``off``); ``--ac`` picks full or selective AC.
+Rank 0 writes one JSON record per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import autoweave  # noqa: E402
+from autoweave import capture  # noqa: E402
+
+
+def load_example() -> Any:
+    spec = importlib.util.spec_from_file_location("train_moe", ROOT / "examples" / "train_moe.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_moe"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+tm = load_example()
+
+
+def _ckpt_wrapper() -> Callable[..., nn.Module]:
+    # Looked up at call time so autoweave's patch (when on) is the one called.
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+    return cw.checkpoint_wrapper
+
+
+def _ac_kwargs(ac: str) -> dict[str, Any]:
+    if ac == "selective":
+        import functools
+
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        return {"context_fn": functools.partial(create_selective_checkpoint_contexts, tm._selective_policy)}
+    return {}
+
+
+def _fsdp(model: nn.Module, mesh: Any, expert_mesh: Any, *, block: bool = True) -> None:
+    for b in model.layers.values():
+        inner = tm._unwrap(b)
+        if getattr(inner, "moe_enabled", False):
+            fully_shard(inner.moe.experts, mesh=expert_mesh)
+        if block:
+            fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+class CheckpointedFFNBlock(tm.TransformerBlock):
+    """A block that calls torch.utils.checkpoint inside its own forward (no AC wrapper)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return h + torch.utils.checkpoint.checkpoint(ffn, self.ffn_norm(h), use_reentrant=False)
+
+
+def _sibling_weave(block: nn.Module, backend: Any) -> None:
+    """The hand-written weave trainers write: compile each child, and the experts' inner forward."""
+    for name, child in block.named_children():
+        if name == "moe":
+            for sub_name, sub in child.named_children():
+                if sub_name == "experts":
+                    sub.forward = torch.compile(sub.forward, backend=backend)
+                else:
+                    child.register_module(sub_name, torch.compile(sub, backend=backend))
+        else:
+            block.register_module(name, torch.compile(child, backend=backend))
+
+
+def build(order: str, ac: str, backend: Any, mesh: Any, expert_mesh: Any, args: Any) -> nn.Module:
+    """The model parallelized the way ``order`` says (see ORDERS)."""
+    model = tm.Transformer(args)
+    model.init_weights(0)
+    ckw = _ac_kwargs(ac)
+    wrap = _ckpt_wrapper()
+    layers = model.layers
+    if order == "eager":
+        for k, b in layers.items():
+            layers[k] = wrap(b, preserve_rng_state=False, **ckw)
+        _fsdp(model, mesh, expert_mesh)
+    elif order == "compile_ac":  # torch.compile(checkpoint_wrapper(block)), then FSDP (torchtitan)
+        for k, b in layers.items():
+            layers[k] = torch.compile(wrap(b, preserve_rng_state=False, **ckw), backend=backend)
+        _fsdp(model, mesh, expert_mesh)
+    elif order == "inplace_fullgraph":  # checkpoint_wrapper(block).compile(fullgraph=True)
+        for k, b in layers.items():
+            layers[k] = wrap(b, preserve_rng_state=False, **ckw)
+            layers[k].compile(backend=backend, fullgraph=True)
+        _fsdp(model, mesh, expert_mesh)
+    elif order == "ac_compile":  # checkpoint_wrapper(torch.compile(block))
+        for k, b in layers.items():
+            layers[k] = wrap(torch.compile(b, backend=backend), preserve_rng_state=False, **ckw)
+        _fsdp(model, mesh, expert_mesh)
+    elif order == "fsdp_then_compile":  # FSDP on experts and blocks first, compile after
+        for k, b in layers.items():
+            layers[k] = wrap(b, preserve_rng_state=False, **ckw)
+        for b in layers.values():
+            inner = tm._unwrap(b)
+            if inner.moe_enabled:
+                fully_shard(inner.moe.experts, mesh=expert_mesh)
+            fully_shard(b, mesh=mesh)
+        for b in layers.values():
+            b.compile(backend=backend)
+        fully_shard(model, mesh=mesh)
+    elif order == "no_block_fsdp":  # only the experts and the root are FSDP units
+        for k, b in layers.items():
+            layers[k] = torch.compile(wrap(b, preserve_rng_state=False, **ckw), backend=backend)
+        _fsdp(model, mesh, expert_mesh, block=False)
+    elif order == "ckpt_in_forward":  # torch.utils.checkpoint inside the block's forward
+        for k, b in layers.items():
+            b.__class__ = CheckpointedFFNBlock
+            layers[k] = torch.compile(b, backend=backend)
+        _fsdp(model, mesh, expert_mesh)
+    elif order == "compile_twice":  # pipeline code compiling a stage's blocks twice
+        for k, b in layers.items():
+            layers[k] = wrap(b, preserve_rng_state=False, **ckw)
+            layers[k].compile(backend=backend)
+            layers[k].compile(backend=backend)
+        _fsdp(model, mesh, expert_mesh)
+    elif order == "hand_siblings":  # hand-written sibling weave under eager AC
+        for k, b in layers.items():
+            if b.moe_enabled:
+                _sibling_weave(b, backend)
+                layers[k] = wrap(b, preserve_rng_state=False, **ckw)
+            else:
+                layers[k] = torch.compile(wrap(b, preserve_rng_state=False, **ckw), backend=backend)
+        _fsdp(model, mesh, expert_mesh)
+    elif order == "hand_ac_compile":  # hand-written AC(Compile(block)) for MoE blocks
+        for k, b in layers.items():
+            if b.moe_enabled:
+                b.moe.experts.forward = torch.compile(b.moe.experts.forward, backend=backend)
+                layers[k] = wrap(torch.compile(b, backend=backend), preserve_rng_state=False, **ckw)
+            else:
+                layers[k] = torch.compile(wrap(b, preserve_rng_state=False, **ckw), backend=backend)
+        _fsdp(model, mesh, expert_mesh)
+    elif order == "upper_bound":  # experts share the block's FSDP unit: no nested unit at all
+        for k, b in layers.items():
+            layers[k] = torch.compile(wrap(b, preserve_rng_state=False, **ckw), backend=backend)
+        for b in layers.values():
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        raise SystemExit(f"unknown order {order!r}")
+    return model
+
+
+ORDERS = (
+    "compile_ac",
+    "inplace_fullgraph",
+    "ac_compile",
+    "fsdp_then_compile",
+    "no_block_fsdp",
+    "ckpt_in_forward",
+    "compile_twice",
+    "hand_siblings",
+    "hand_ac_compile",
+    "upper_bound",
+)
+
+
+def _grad_norms(model: nn.Module) -> dict[str, float]:
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[name] = float(g.float().norm())
+    return out
+
+
+def _clean_name(name: str) -> str:
+    for seg in ("._orig_mod", "._checkpoint_wrapped_module", "_orig_mod.", "_checkpoint_wrapped_module."):
+        name = name.replace(seg, "")
+    return name
+
+
+def run_variant(order: str, weave_on: bool, ac: str, steps: int, args: Any, inner_backend: str, timing_steps: int) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    expert_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep_fsdp",))
+    torch._dynamo.reset()
+    cap = capture.Capture()
+    backend = cap.backend(inner_backend)
+    ctx = contextlib.nullcontext() if weave_on else autoweave.disabled()
+    fallbacks = capture.FallbackCounter().install()
+    try:
+        with ctx:
+            model = build(order, ac, backend, mesh, expert_mesh, args)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        local_bs = 4 // world
+        losses, grads, step_times = [], {}, []
+        eager_gemms = inside_gemms = -1
+        first_step = 0.0
+        for step in range(steps + timing_steps):
+            inputs, targets = tm.make_batch(step, 0, 4, args)
+            shard = slice(rank * local_bs, (rank + 1) * local_bs)
+            start = time.perf_counter()
+            if step == steps - 1:  # after every compile (fake-tensor tracing shows in the profiler)
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    logits = model(inputs[shard])
+                eager_gemms, inside_gemms = capture.eager_gemms(prof)
+            else:
+                logits = model(inputs[shard])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets[shard].flatten())
+            loss.backward()
+            if step == 0:
+                grads = {_clean_name(k): v for k, v in _grad_norms(model).items()}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            elapsed = time.perf_counter() - start
+            if step == 0:
+                first_step = elapsed
+            elif step >= steps:
+                step_times.append(elapsed)
+            g = loss.detach().clone()
+            dist.all_reduce(g)
+            if step < steps:
+                losses.append(g.item() / world)
+        peak = _peak_rss_mb()
+        record = {
+            "order": order,
+            "autoweave": weave_on,
+            "ac": ac,
+            "losses": losses,
+            "grad_norms": grads,
+            "graphs": cap.graph_count,
+            "ops": cap.ops,
+            "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+            "fallbacks": fallbacks.count,
+            "eager_gemms": eager_gemms,
+            "compiled_gemms": inside_gemms,
+            "state_dict_keys": sorted(model.state_dict().keys()),
+            "first_step_s": first_step,
+            "step_s": statistics.median(step_times) if step_times else None,
+            "peak_rss_mb": peak,
+        }
+    finally:
+        fallbacks.uninstall()
+        torch._dynamo.utils.counters.clear()
+    return record
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--variants", required=True, help="comma list of ORDER:on|off (or ORDER for eager)")
+    p.add_argument("--ac", default="full", choices=("full", "selective"))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--timing-steps", type=int, default=0)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--backend", default="aot_eager")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    dist.init_process_group("gloo")
+    autoweave.enable()
+    args = tm.ModelArgs(n_layers=a.layers, dim=a.dim, vocab_size=128, seq_len=16, moe_inter_dim=16, inter_dim=64)
+    records = []
+    for item in a.variants.split(","):
+        order, _, state = item.partition(":")
+        try:
+            records.append(run_variant(order, state != "off", a.ac, a.steps, args, a.backend, a.timing_steps))
+        except Exception as exc:  # plain torch raises for some orders (fullgraph): record it
+            records.append({"order": order, "autoweave": state != "off", "ac": a.ac, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        dist.barrier()
+    if dist.get_rank() == 0:
+        Path(a.out).write_text(json.dumps(records, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,184 @@
+"""Throw-away virtual environments for the start-up tests and the start-up benchmark.
+
+One place for the recipe (``benchmarks/startup.py`` imports this file too):
+
+* build the wheel once: ``python -m pip wheel --no-deps --no-build-isolation``;
+* ``python -m venv --without-pip`` child environments that see the parent's packages
+  (torch, wrapt, pip, hatchling, importlib_metadata) through one ``_parent_paths.pth``
+  holding *path lines only*: the parent's own ``.pth`` files are not executed in the
+  child, so an autoweave installed in the parent cannot leak into it;
+* install with the parent's pip, run from the child interpreter, ``--no-index``.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Files a wheel build needs; used only when the checkout cannot be built as it is.
+_SOURCE_ITEMS = ("autoweave", "autoweave.pth", "autoweave.start", "_autoweave_start.py", "pyproject.toml", "sitecustomize")
+
+AUTOWEAVE_VARIABLES_PREFIX = "AUTOWEAVE"
+
+
+@dataclass(frozen=True)
+class Venv:
+    root: Path
+
+    @property
+    def bin(self) -> Path:
+        return self.root / ("Scripts" if os.name == "nt" else "bin")
+
+    @property
+    def python(self) -> Path:
+        return self.bin / ("python.exe" if os.name == "nt" else "python")
+
+    @property
+    def site_packages(self) -> Path:
+        purelib = sysconfig.get_path("purelib", vars={"base": str(self.root), "platbase": str(self.root)})
+        return Path(purelib)
+
+    def run(self, args: list[str], *, env: dict[str, str] | None = None, timeout: float = 180, **kwargs):
+        """Run ``<venv python> args...``; returns the CompletedProcess (text mode, captured).
+
+        The working directory defaults to the venv itself, so ``-c`` never sees the checkout.
+        """
+        kwargs.setdefault("cwd", self.root)
+        return subprocess.run(
+            [str(self.python), *args],
+            env=child_env() if env is None else env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            **kwargs,
+        )
+
+
+def child_env(overrides: dict[str, str | None] | None = None, *, keep_bytecode_flag: bool = True) -> dict[str, str]:
+    """``os.environ`` without anything that would change what a child's start-up does.
+
+    Drops every ``AUTOWEAVE*`` variable, ``PYTHONPATH``, ``PYTHONSTARTUP``, ``PYTHONHOME``,
+    ``PYTHONNOUSERSITE`` and ``VIRTUAL_ENV``; ``overrides`` set (or, with ``None``, remove) names.
+    """
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(AUTOWEAVE_VARIABLES_PREFIX)
+        and k not in ("PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONINSPECT")
+    }
+    if not keep_bytecode_flag:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for key, value in (overrides or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def source_tree(scratch: Path) -> Path:
+    """The directory to build from: the checkout itself, or a staged copy when it lacks README.md.
+
+    ``pyproject.toml`` names ``readme = "README.md"``; hatchling refuses to build without it.
+    Until the README exists we build a copy of the package files with a placeholder README.
+    """
+    if (REPO_ROOT / "README.md").is_file():
+        return REPO_ROOT
+    staged = scratch / "autoweave-src"
+    if staged.exists():
+        shutil.rmtree(staged)
+    staged.mkdir(parents=True)
+    for name in _SOURCE_ITEMS:
+        src = REPO_ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, staged / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        elif src.exists():
+            shutil.copy2(src, staged / name)
+    (staged / "README.md").write_text("# autoweave\n\n(placeholder written by tests/startup/venvs.py)\n")
+    return staged
+
+
+def _check(proc: subprocess.CompletedProcess, what: str) -> None:
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+
+def build_wheel(source: Path, outdir: Path) -> Path:
+    outdir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(outdir), str(source)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    _check(proc, "building the wheel")
+    wheels = sorted(outdir.glob("autoweave-*.whl"))
+    if not wheels:
+        raise RuntimeError(f"no autoweave wheel in {outdir}: {proc.stdout}\n{proc.stderr}")
+    return wheels[-1]
+
+
+def parent_site_dirs() -> list[str]:
+    return [p for p in site.getsitepackages() if os.path.isdir(p)]
+
+
+def make_venv(root: Path) -> Venv:
+    """A ``--without-pip`` venv that sees the parent's site-packages as plain path entries."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(root)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    _check(proc, f"creating the venv {root}")
+    venv = Venv(root)
+    venv.site_packages.mkdir(parents=True, exist_ok=True)
+    (venv.site_packages / "_parent_paths.pth").write_text("".join(f"{p}\n" for p in parent_site_dirs()))
+    return venv
+
+
+def pip_install(venv: Venv, *args: str) -> None:
+    # pip byte-compiles what it installs by default; the variable is irrelevant to it, but
+    # drop it anyway so nothing in the install differs from a user's.
+    proc = venv.run(
+        ["-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", *args],
+        env=child_env(keep_bytecode_flag=False),
+        timeout=300,
+    )
+    _check(proc, f"pip install {' '.join(args)}")
+
+
+def install_wheel(venv: Venv, wheel: Path) -> None:
+    pip_install(venv, str(wheel))
+
+
+def install_editable(venv: Venv, source: Path) -> None:
+    pip_install(venv, "-e", str(source))
+
+
+def editable_supported() -> str | None:
+    """None when ``pip install -e`` can work without build isolation, else why not."""
+    try:
+        import editables  # noqa: F401 - hatchling's editable builds need it
+    except ImportError:
+        return "hatchling's editable build needs the 'editables' package in the base interpreter"
+    return None
+
+
+def parse_probe(stdout: str) -> list[dict]:
+    """Every ``PROBE {json}`` line (written by ``awprobe.emit``) of ``stdout``, in order."""
+    return [json.loads(line[len("PROBE ") :]) for line in stdout.splitlines() if line.startswith("PROBE ")]

@@ -1,0 +1,237 @@
+"""``autoweave._settings``: every accepted and rejected value of every variable."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from autoweave import _settings
+from autoweave._settings import Settings
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+TRUE = ["1", "true", "yes", "on", "TRUE", "Yes", " on ", "On\n"]
+FALSE = ["", "0", "false", "no", "off", "FALSE", " No ", "\toff"]
+BAD_FLAGS = ["maybe", "2", "-1", "y", "n", "enable", "tru", "1 1", "on,off"]
+
+
+def parse(**env: str) -> Settings:
+    return Settings.from_environ(env)
+
+
+def assert_problem_names(problem: str, variable: str, accepted: tuple[str, ...] | list[str]) -> None:
+    assert problem.startswith(f"{variable}=") or problem.startswith(f"{variable} "), problem
+    listed = problem.split("accepted:", 1)[1].split(")", 1)[0]
+    assert [a.strip() for a in listed.split(",")] == [a for a in accepted if a], problem
+
+
+def test_defaults() -> None:
+    s = Settings.from_environ({})
+    assert s == Settings()
+    assert (s.enabled, s.disabled_patches, s.log_level, s.strict, s.mode, s.strategy, s.problems) == (
+        False,
+        frozenset(),
+        None,
+        False,
+        "auto",
+        "auto",
+        (),
+    )
+
+
+def test_ignores_unrelated_variables() -> None:
+    assert Settings.from_environ({"PATH": "/bin", "AUTOWEAVEX": "1", "autoweave": "1"}) == Settings()
+
+
+@pytest.mark.parametrize("value", TRUE)
+def test_autoweave_on(value: str) -> None:
+    s = parse(AUTOWEAVE=value)
+    assert s.enabled and s.problems == ()
+
+
+@pytest.mark.parametrize("value", FALSE)
+def test_autoweave_off(value: str) -> None:
+    s = parse(AUTOWEAVE=value)
+    assert not s.enabled and s.problems == ()
+
+
+@pytest.mark.parametrize("variable", ["AUTOWEAVE", "AUTOWEAVE_DISABLE", "AUTOWEAVE_STRICT"])
+@pytest.mark.parametrize("value", BAD_FLAGS)
+def test_invalid_flag_names_variable_and_accepted_values(variable: str, value: str) -> None:
+    s = parse(**{variable: value})
+    assert s == Settings(problems=s.problems)  # every field at its default
+    assert len(s.problems) == 1
+    problem = s.problems[0]
+    assert repr(value) in problem
+    assert_problem_names(problem, variable, ["1", "true", "yes", "on", "0", "false", "no", "off"])
+    assert problem.endswith("using off")
+
+
+@pytest.mark.parametrize("value", TRUE)
+def test_strict(value: str) -> None:
+    assert parse(AUTOWEAVE_STRICT=value).strict
+    assert not parse(AUTOWEAVE_STRICT="0").strict
+
+
+@pytest.mark.parametrize("on", TRUE)
+@pytest.mark.parametrize("off", TRUE)
+def test_disable_wins(on: str, off: str) -> None:
+    s = parse(AUTOWEAVE=on, AUTOWEAVE_DISABLE=off)
+    assert not s.enabled and s.problems == ()
+
+
+@pytest.mark.parametrize("value", FALSE)
+def test_disable_off_leaves_autoweave_on(value: str) -> None:
+    assert parse(AUTOWEAVE="1", AUTOWEAVE_DISABLE=value).enabled
+
+
+def test_disable_invalid_is_reported_and_does_not_disable() -> None:
+    s = parse(AUTOWEAVE="1", AUTOWEAVE_DISABLE="perhaps")
+    assert s.enabled
+    assert len(s.problems) == 1 and s.problems[0].startswith("AUTOWEAVE_DISABLE=")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("compile", {"compile"}),
+        ("module_compile", {"module_compile"}),
+        ("module-compile", {"module_compile"}),
+        ("checkpoint_wrapper", {"checkpoint_wrapper"}),
+        ("Checkpoint-Wrapper", {"checkpoint_wrapper"}),
+        ("compile,module_compile,checkpoint_wrapper", {"compile", "module_compile", "checkpoint_wrapper"}),
+        (" compile , , checkpoint_wrapper ,", {"compile", "checkpoint_wrapper"}),
+        ("compile,compile", {"compile"}),
+        ("", set()),
+        (" , ", set()),
+    ],
+)
+def test_disabled_patches(value: str, expected: set[str]) -> None:
+    s = parse(AUTOWEAVE_DISABLED_PATCHES=value)
+    assert s.disabled_patches == frozenset(expected)
+    assert s.problems == ()
+
+
+def test_disabled_patches_unknown_names_each_reported() -> None:
+    s = parse(AUTOWEAVE_DISABLED_PATCHES="compile,fsdp,Torch.Compile")
+    assert s.disabled_patches == frozenset({"compile"})
+    assert len(s.problems) == 2
+    assert "'fsdp'" in s.problems[0] and "'torch.compile'" in s.problems[1]
+    for problem in s.problems:
+        assert_problem_names(problem, "AUTOWEAVE_DISABLED_PATCHES", _settings.PATCH_NAMES)
+
+
+CHOICES = [
+    ("AUTOWEAVE_LOG_LEVEL", "log_level", _settings.LOG_LEVELS, None),
+    ("AUTOWEAVE_MODE", "mode", _settings.MODES, "auto"),
+    ("AUTOWEAVE_STRATEGY", "strategy", _settings.STRATEGIES, "auto"),
+]
+
+
+def test_choice_tables_are_what_the_docs_say() -> None:
+    assert _settings.LOG_LEVELS == ("debug", "info", "warning", "error", "critical")
+    assert _settings.MODES == ("auto", "always", "off")
+    assert _settings.STRATEGIES == ("auto", "hoist", "push-down", "siblings")
+    assert _settings.PATCH_NAMES == ("compile", "module_compile", "checkpoint_wrapper")
+
+
+@pytest.mark.parametrize(("variable", "field", "accepted", "default"), CHOICES)
+def test_choice_accepted_values(variable: str, field: str, accepted: tuple[str, ...], default: str | None) -> None:
+    for value in accepted:
+        for spelled in (value, value.upper(), f"  {value}\n"):
+            s = parse(**{variable: spelled})
+            assert getattr(s, field) == value and s.problems == ()
+    for blank in ("", "   "):
+        s = parse(**{variable: blank})
+        assert getattr(s, field) == default and s.problems == ()
+
+
+@pytest.mark.parametrize(("variable", "field", "accepted", "default"), CHOICES)
+@pytest.mark.parametrize("value", ["bogus", "1", "push_down", "warn", "hoist,siblings", "offf"])
+def test_choice_invalid_value(
+    variable: str, field: str, accepted: tuple[str, ...], default: str | None, value: str
+) -> None:
+    if value.lower() in accepted:
+        pytest.skip("accepted here")
+    s = parse(**{variable: value})
+    assert getattr(s, field) == default
+    assert len(s.problems) == 1
+    assert repr(value) in s.problems[0]
+    assert_problem_names(s.problems[0], variable, accepted)
+
+
+def test_problems_from_several_variables_are_all_kept() -> None:
+    s = parse(
+        AUTOWEAVE="1",
+        AUTOWEAVE_STRICT="sure",
+        AUTOWEAVE_MODE="never",
+        AUTOWEAVE_STRATEGY="up",
+        AUTOWEAVE_LOG_LEVEL="loud",
+        AUTOWEAVE_DISABLED_PATCHES="nope",
+    )
+    assert s.enabled
+    named = sorted(re.match(r"(AUTOWEAVE_[A-Z_]+)", p).group(1) for p in s.problems)
+    assert named == sorted(
+        ["AUTOWEAVE_STRICT", "AUTOWEAVE_MODE", "AUTOWEAVE_STRATEGY", "AUTOWEAVE_LOG_LEVEL", "AUTOWEAVE_DISABLED_PATCHES"]
+    )
+
+
+@given(st.text(max_size=12))
+def test_any_autoweave_value_is_on_off_or_reported(value: str) -> None:
+    s = parse(AUTOWEAVE=value)
+    normalized = value.strip().lower()
+    if normalized in _settings.TRUE_VALUES:
+        assert s.enabled and not s.problems
+    elif normalized in _settings.FALSE_VALUES:
+        assert not s.enabled and not s.problems
+    else:
+        assert not s.enabled
+        assert len(s.problems) == 1 and s.problems[0].startswith("AUTOWEAVE=")
+
+
+@given(st.text(max_size=12))
+def test_requested_matches_the_start_up_files_precheck(value: str) -> None:
+    # autoweave.pth and _autoweave_start.py inline this test; they must agree with it.
+    inline = value.strip().lower() not in ("", "0", "false", "no", "off")
+    assert _settings.requested({"AUTOWEAVE": value}) is inline
+
+
+def test_requested_unset() -> None:
+    assert _settings.requested({}) is False
+
+
+def test_start_up_files_precheck_matches_false_values() -> None:
+    for name in ("autoweave.pth", "_autoweave_start.py", "sitecustomize/sitecustomize.py"):
+        text = (REPO_ROOT / name).read_text()
+        assert "('', '0', 'false', 'no', 'off')" in text.replace('"', "'"), name
+    assert _settings.FALSE_VALUES == ("", "0", "false", "no", "off")
+
+
+def test_settings_is_frozen_and_hashable() -> None:
+    s = parse(AUTOWEAVE="1", AUTOWEAVE_DISABLED_PATCHES="compile")
+    with pytest.raises(AttributeError):
+        s.enabled = False  # type: ignore[misc]
+    assert hash(s) == hash(parse(AUTOWEAVE="1", AUTOWEAVE_DISABLED_PATCHES="compile"))
+    assert s.as_dict()["disabled_patches"] == ["compile"]
+    assert "enabled=True" in repr(s)
+
+
+def test_variables_table_covers_every_constant() -> None:
+    constants = {v for k, v in vars(_settings).items() if k.startswith("AUTOWEAVE") and isinstance(v, str)}
+    assert constants == set(_settings.VARIABLES)
+    assert all(_settings.VARIABLES.values())
+
+
+def test_readme_switches_table_lists_every_variable() -> None:
+    readme = REPO_ROOT / "README.md"
+    if not readme.is_file():
+        pytest.skip("README.md is not written yet")
+    documented = set(re.findall(r"^\|\s*`(AUTOWEAVE[A-Z_]*)`", readme.read_text(), flags=re.M))
+    missing = set(_settings.VARIABLES) - documented
+    assert not missing, f"README.md's switches table lacks {sorted(missing)}"
+    unknown = documented - set(_settings.VARIABLES)
+    assert not unknown, f"README.md documents variables autoweave does not read: {sorted(unknown)}"
