@@ -1,0 +1,234 @@
+"""``autoweave.patches`` and the public on/off switches, in this process.
+
+These tests patch the real ``torch``; every one of them leaves torch exactly as it
+found it (the ``clean`` fixture disables autoweave and checks the originals).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as cw
+import torch.nn as nn
+import wrapt
+
+import autoweave
+from autoweave import _bootstrap, _importhook, patches, runtime
+from autoweave._settings import Settings
+
+ALL_PATCHES = ["checkpoint_wrapper", "compile", "module_compile"]
+
+ORIGINAL_COMPILE = torch.compile
+ORIGINAL_MODULE_COMPILE = nn.Module.__dict__["compile"]
+ORIGINAL_CHECKPOINT_WRAPPER = cw.checkpoint_wrapper
+ORIGINAL_DEFAULTS = cw.apply_activation_checkpointing.__defaults__
+
+
+def layers(obj: object) -> int:
+    """Number of ``AutoweaveWrapper`` layers, walking ``__wrapped__`` down."""
+    count = 0
+    for _ in range(64):
+        if obj is None:
+            break
+        if isinstance(obj, patches.AutoweaveWrapper):
+            count += 1
+        obj = getattr(obj, "__wrapped__", None)
+    return count
+
+
+def targets() -> dict[str, object]:
+    return {
+        "compile": torch.compile,
+        "module_compile": nn.Module.__dict__["compile"],
+        "checkpoint_wrapper": cw.checkpoint_wrapper,
+        "default": cw.apply_activation_checkpointing.__defaults__[0],
+    }
+
+
+def assert_originals() -> None:
+    assert torch.compile is ORIGINAL_COMPILE
+    assert nn.Module.__dict__["compile"] is ORIGINAL_MODULE_COMPILE
+    assert cw.checkpoint_wrapper is ORIGINAL_CHECKPOINT_WRAPPER
+    defaults = cw.apply_activation_checkpointing.__defaults__
+    assert len(defaults) == len(ORIGINAL_DEFAULTS)
+    assert all(a is b for a, b in zip(defaults, ORIGINAL_DEFAULTS, strict=True))
+    assert patches.applied() == []
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch: pytest.MonkeyPatch):
+    """No AUTOWEAVE* variables; autoweave off before and after; torch's originals checked."""
+    for name in list(os.environ):
+        if name.startswith("AUTOWEAVE"):
+            monkeypatch.delenv(name)
+    autoweave.disable()
+    assert_originals()
+    yield
+    try:
+        autoweave.disable()
+        assert_originals()
+    finally:
+        # Whatever a failing test left behind, the next test starts from plain torch.
+        torch.compile = ORIGINAL_COMPILE
+        nn.Module.compile = ORIGINAL_MODULE_COMPILE
+        cw.checkpoint_wrapper = ORIGINAL_CHECKPOINT_WRAPPER
+        cw.apply_activation_checkpointing.__defaults__ = ORIGINAL_DEFAULTS
+        _bootstrap.reload_settings(Settings())
+
+
+def test_enable_patches_all_three_once() -> None:
+    assert autoweave.enable() is True
+    assert autoweave.is_enabled()
+    assert patches.applied() == ALL_PATCHES
+    for name, obj in targets().items():
+        assert layers(obj) == 1, name
+    assert cw.apply_activation_checkpointing.__defaults__[0] is cw.checkpoint_wrapper
+    for name in ("compile", "module_compile", "checkpoint_wrapper"):
+        assert layers(patches.original(name)) == 0
+
+
+def test_enable_disable_enable_leaves_one_layer() -> None:
+    autoweave.enable()
+    autoweave.enable()
+    autoweave.disable()
+    assert_originals()
+    assert not autoweave.is_enabled()
+    autoweave.enable()
+    autoweave.enable()
+    _bootstrap.install()
+    patches.apply_torch(_bootstrap.settings())
+    patches.apply_checkpoint_wrapper(_bootstrap.settings(), cw)
+    for name, obj in targets().items():
+        assert layers(obj) == 1, name
+    assert patches.applied() == ALL_PATCHES
+
+
+def test_disable_restores_identity_and_hooks() -> None:
+    autoweave.enable()
+    assert _importhook._finder in sys.meta_path
+    autoweave.disable()
+    assert_originals()
+    assert _importhook._finder not in sys.meta_path
+    assert not _importhook._hooks
+    assert not autoweave.is_enabled()
+    autoweave.disable()  # twice is fine
+    assert_originals()
+
+
+def test_disabled_patches_setting_is_respected() -> None:
+    _bootstrap.reload_settings(Settings(enabled=True, disabled_patches=frozenset({"compile"})))
+    _bootstrap.install()
+    assert patches.applied() == ["checkpoint_wrapper", "module_compile"]
+    assert torch.compile is ORIGINAL_COMPILE
+    assert layers(nn.Module.__dict__["compile"]) == 1
+
+
+def test_enable_refused_when_disable_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AUTOWEAVE_DISABLE", "1")
+    assert autoweave.enable() is False
+    assert not autoweave.is_enabled()
+    assert_originals()
+
+
+def test_revert_leaves_a_foreign_wrapper_on_top() -> None:
+    autoweave.enable()
+    ours = torch.compile
+
+    @functools.wraps(ours)
+    def theirs(*args, **kwargs):
+        return ours(*args, **kwargs)
+
+    their_module_compile = wrapt.FunctionWrapper(
+        nn.Module.__dict__["compile"], lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs)
+    )
+    torch.compile = theirs
+    nn.Module.compile = their_module_compile
+    try:
+        autoweave.disable()  # must not raise
+        assert torch.compile is theirs
+        assert nn.Module.__dict__["compile"] is their_module_compile
+        # checkpoint_wrapper had nobody on top: restored.
+        assert cw.checkpoint_wrapper is ORIGINAL_CHECKPOINT_WRAPPER
+        assert cw.apply_activation_checkpointing.__defaults__[0] is ORIGINAL_CHECKPOINT_WRAPPER
+        assert patches.applied() == []
+        # Theirs still works, through whatever it wrapped.
+        assert theirs(lambda x: x + 1, backend="eager")(torch.ones(1)).item() == 2.0
+    finally:
+        torch.compile = ORIGINAL_COMPILE
+        nn.Module.compile = ORIGINAL_MODULE_COMPILE
+
+
+def test_foreign_wrapper_below_ours_is_kept() -> None:
+    @functools.wraps(ORIGINAL_COMPILE)
+    def theirs(*args, **kwargs):
+        return ORIGINAL_COMPILE(*args, **kwargs)
+
+    torch.compile = theirs
+    try:
+        autoweave.enable()
+        assert layers(torch.compile) == 1
+        assert torch.compile.__wrapped__ is theirs
+        autoweave.disable()
+        assert torch.compile is theirs
+    finally:
+        torch.compile = ORIGINAL_COMPILE
+
+
+def test_disabled_context_compiles_as_plain_torch() -> None:
+    autoweave.enable()
+    x = torch.randn(3, 2)
+
+    plain = patches.original("compile")(nn.Linear(2, 2), backend="eager")
+    woven = torch.compile(nn.Linear(2, 2), backend="eager")
+    assert runtime.dispatcher_of(woven) is not None
+    with autoweave.disabled():
+        linear = nn.Linear(2, 2)
+        compiled = torch.compile(linear, backend="eager")
+        in_place = nn.Linear(2, 2)
+        in_place.compile(backend="eager")
+    assert type(compiled) is type(plain)
+    assert runtime.dispatcher_of(compiled) is None
+    assert sorted(vars(compiled)) == sorted(vars(plain))
+    assert not isinstance(compiled.forward, runtime._Dispatcher)
+    assert runtime.dispatcher_of(in_place) is None
+    assert not isinstance(in_place._compiled_call_impl, runtime._Dispatcher)
+    assert torch.allclose(compiled(x), linear(x))
+    # Outside the block, routing is back.
+    assert runtime.dispatcher_of(torch.compile(nn.Linear(2, 2), backend="eager")) is not None
+
+
+def test_disabled_context_nests_and_resets_on_error() -> None:
+    autoweave.enable()
+    with pytest.raises(RuntimeError), autoweave.disabled():
+        with autoweave.disabled():
+            pass
+        assert runtime._off.get()
+        raise RuntimeError("boom")
+    assert not runtime._off.get()
+
+
+def test_functions_pass_straight_through() -> None:
+    autoweave.enable()
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return x * 3
+
+    compiled = torch.compile(fn, backend="eager")
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 3.0))
+    decorated = torch.compile(backend="eager")(fn)
+    assert torch.equal(decorated(torch.ones(2)), torch.full((2,), 3.0))
+
+
+def test_checkpoint_wrapper_still_wraps() -> None:
+    autoweave.enable()
+    wrapped = cw.checkpoint_wrapper(nn.Linear(2, 2))
+    assert isinstance(wrapped, cw.CheckpointWrapper)
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    cw.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Linear))
+    assert isinstance(model[0], cw.CheckpointWrapper)
