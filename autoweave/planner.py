@@ -154,6 +154,11 @@ def calls_checkpoint(module: nn.Module) -> bool:
     return False
 
 
+def _is_container(module: nn.Module) -> bool:
+    forward = module.__dict__.get("forward") or type(module).forward
+    return getattr(forward, "__func__", forward) is nn.Module.forward
+
+
 def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
     for name, child in module.named_children():
         yield (f"{prefix}.{name}" if prefix else name), child
@@ -229,6 +234,12 @@ class _Planner:
         spec = checkpoint_spec(module)
         if spec is not None and self.tree.has_boundary_below(module):
             self.checkpointed(path, module, spec, ctx, opaque=False)
+            return
+        if _is_container(module):
+            # ModuleList / ModuleDict have no forward: their parent calls the children.
+            self.add(path, module, Action.EAGER, "container without a forward: children planned")
+            for child_path, child in _walk(module, path):
+                self.node(child_path, child, ctx)
             return
         if not self.tree.has_boundary_below(module):
             self.region(path, module, ctx, Action.COMPILE, "no boundary inside: compiled whole")

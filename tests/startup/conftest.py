@@ -42,9 +42,6 @@ def installed_venv(scratch: Path, wheel: Path) -> venvs.Venv:
 
 @pytest.fixture(scope="session")
 def editable_venv(scratch: Path, source: Path) -> venvs.Venv:
-    why = venvs.editable_supported()
-    if why:
-        pytest.skip(why)
     venv = venvs.make_venv(scratch / "venv-editable")
     venvs.install_editable(venv, source)
     return venv

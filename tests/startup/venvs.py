@@ -7,13 +7,16 @@ One place for the recipe (``benchmarks/startup.py`` imports this file too):
   (torch, wrapt, pip, hatchling, importlib_metadata) through one ``_parent_paths.pth``
   holding *path lines only*: the parent's own ``.pth`` files are not executed in the
   child, so an autoweave installed in the parent cannot leak into it;
-* install with the parent's pip, run from the child interpreter, ``--no-index``.
+* install with the parent's pip, run from the child interpreter, ``--no-index``
+  (when the parent lacks the build backend, see ``can_build_in_place``, pip's index
+  supplies it in an isolated build instead).
 
 Standard library only.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -115,10 +118,22 @@ def _check(proc: subprocess.CompletedProcess, what: str) -> None:
         raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
 
 
+def can_build_in_place(editable: bool = False) -> bool:
+    """Whether this interpreter has the build backend, so ``--no-build-isolation`` works.
+
+    A developer's interpreter usually has hatchling; a CI venv made by ``pip install -e .``
+    does not (pip built autoweave in an isolated environment), and then we let pip fetch
+    the backend from its configured index the same way.
+    """
+    needed = ("hatchling", "editables") if editable else ("hatchling",)
+    return all(importlib.util.find_spec(name) is not None for name in needed)
+
+
 def build_wheel(source: Path, outdir: Path) -> Path:
     outdir.mkdir(parents=True, exist_ok=True)
+    isolation = ["--no-build-isolation"] if can_build_in_place() else []
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(outdir), str(source)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(outdir), str(source)],
         env=child_env(),
         capture_output=True,
         text=True,
@@ -151,11 +166,15 @@ def make_venv(root: Path) -> Venv:
     return venv
 
 
-def pip_install(venv: Venv, *args: str) -> None:
-    # pip byte-compiles what it installs by default; the variable is irrelevant to it, but
-    # drop it anyway so nothing in the install differs from a user's.
+def pip_install(venv: Venv, *args: str, offline: bool = True) -> None:
+    """``<venv python> -m pip install --no-deps`` (pip itself comes from the parent's path).
+
+    ``offline``: ``--no-index --no-build-isolation``, everything from the parent.
+    pip byte-compiles what it installs (its default), so timings see .pyc files.
+    """
+    flags = ["--no-index", "--no-build-isolation"] if offline else []
     proc = venv.run(
-        ["-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", *args],
+        ["-m", "pip", "install", "-q", "--no-deps", *flags, *args],
         env=child_env(keep_bytecode_flag=False),
         timeout=300,
     )
@@ -167,16 +186,7 @@ def install_wheel(venv: Venv, wheel: Path) -> None:
 
 
 def install_editable(venv: Venv, source: Path) -> None:
-    pip_install(venv, "-e", str(source))
-
-
-def editable_supported() -> str | None:
-    """None when ``pip install -e`` can work without build isolation, else why not."""
-    try:
-        import editables  # noqa: F401 - hatchling's editable builds need it
-    except ImportError:
-        return "hatchling's editable build needs the 'editables' package in the base interpreter"
-    return None
+    pip_install(venv, "-e", str(source), offline=can_build_in_place(editable=True))
 
 
 def parse_probe(stdout: str) -> list[dict]:

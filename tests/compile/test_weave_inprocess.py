@@ -1,0 +1,212 @@
+"""The weave in one process, with a counting backend and a dynamo-disabled hook standing in for FSDP."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+import autoweave
+from autoweave import capture, runtime
+from tests.models import Block, make_break
+
+
+@pytest.fixture(autouse=True)
+def weave_on():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert autoweave.enable()
+    yield
+    autoweave.disable()
+    torch._dynamo.reset()
+
+
+def _train(model: nn.Module, x: torch.Tensor, steps: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    outs, grads = [], []
+    for _ in range(steps):
+        out = model(x)
+        out.square().mean().backward()
+        outs.append(out.detach().clone())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]).clone())
+        model.zero_grad()
+    return outs, grads
+
+
+def _reference(block: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    import copy
+
+    return _train(copy.deepcopy(block), x)
+
+
+def test_compile_of_ac_block_with_boundary_is_woven_not_eager():
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(4, 8)
+    ref = _reference(block, x)
+    cap, fallbacks = capture.Capture(), capture.FallbackCounter()
+    model = torch.compile(cw.checkpoint_wrapper(block), backend=cap.backend())
+    assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    assert model._orig_mod._checkpoint_wrapped_module is block
+    with fallbacks:
+        got = _train(model, x)
+    assert fallbacks.count == 0
+    assert cap.graph_count >= 2 and cap.ops > 0
+    for a, b in zip(got[0] + got[1], ref[0] + ref[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    plan = runtime.dispatcher_of(model).plan
+    assert plan.woven and plan.decision("_checkpoint_wrapped_module.ffn.experts").action.value == "boundary"
+
+
+def test_without_autoweave_the_same_block_falls_back():
+    torch.manual_seed(0)
+    cap, fallbacks = capture.Capture(), capture.FallbackCounter()
+    with autoweave.disabled():
+        model = torch.compile(cw.checkpoint_wrapper(Block()), backend=cap.backend())
+    with fallbacks:
+        _train(model, torch.randn(4, 8))
+    assert fallbacks.count >= 1
+    assert runtime.dispatcher_of(model) is None
+
+
+def test_inplace_fullgraph_compiles_each_region_instead_of_raising():
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(4, 8)
+    ref = _reference(block, x)
+    model = cw.checkpoint_wrapper(block)
+    cap = capture.Capture()
+    model.compile(backend=cap.backend(), fullgraph=True)
+    got = _train(model, x)
+    torch.testing.assert_close(got[1][-1], ref[1][-1], rtol=1e-5, atol=1e-6)
+    plan = runtime.dispatcher_of(model).plan
+    assert all(not d.region or d.action.value != "split" for d in plan.decisions)
+    assert cap.graph_count == len(plan.regions())  # fullgraph: one graph per region, no breaks
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+
+
+def test_plain_fullgraph_really_raises_here():
+    with autoweave.disabled():
+        model = cw.checkpoint_wrapper(Block())
+        model.compile(backend="aot_eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        model(torch.randn(4, 8))
+
+
+def test_module_without_boundary_compiles_exactly_as_plain_torch():
+    torch.manual_seed(0)
+    cap = capture.Capture()
+    model = torch.compile(cw.checkpoint_wrapper(Block(moe=False)), backend=cap.backend())
+    model(torch.randn(4, 8)).sum().backward()
+    plan = runtime.dispatcher_of(model).plan
+    assert not plan.woven and plan.decisions[0].action.value == "plain"
+    assert cap.graph_count == 1  # one graph holding the checkpoint, as plain torch.compile gives
+
+
+def test_function_compile_is_untouched():
+    def f(x):
+        return torch.sin(x) + 1
+
+    compiled = torch.compile(f, backend="eager")
+    x = torch.randn(3)
+    torch.testing.assert_close(compiled(x), f(x))
+    assert not hasattr(compiled, "_autoweave_dispatcher")
+
+
+def test_mode_off_and_per_module_override():
+    model = torch.compile(autoweave.set_mode(cw.checkpoint_wrapper(Block()), "off"), backend="aot_eager")
+    with capture.FallbackCounter() as fallbacks:
+        model(torch.randn(4, 8)).sum().backward()
+    assert not runtime.dispatcher_of(model).plan.woven
+    assert fallbacks.count >= 1
+
+
+def test_no_ac_inside_means_plain_split_in_auto_and_weave_in_always():
+    block = Block()
+    assert not autoweave.plan(block).woven  # plain torch splits the graph and keeps the rest
+    always = autoweave.plan(block, mode="always", strategy="siblings")
+    assert always.woven and always.decision("").action.value == "weave"
+
+
+def test_state_dict_keys_and_parameters_unchanged():
+    torch.manual_seed(0)
+    with autoweave.disabled():
+        plain = torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
+    block = Block()
+    params = dict(block.named_parameters())
+    woven = torch.compile(cw.checkpoint_wrapper(block), backend="aot_eager")
+    woven(torch.randn(4, 8))
+    assert list(woven.state_dict()) == list(plain.state_dict())
+    assert [n for n, _ in woven.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    for name, p in block.named_parameters():
+        assert params[name] is p
+    # A checkpoint saved with autoweave on loads with it off, and back.
+    plain.load_state_dict(woven.state_dict())
+    woven.load_state_dict(plain.state_dict())
+
+
+def test_replans_when_a_boundary_appears_after_the_first_forward():
+    block = Block()
+    block.ffn = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    model = torch.compile(cw.checkpoint_wrapper(block), backend="aot_eager")
+    model(torch.randn(4, 8))
+    assert not runtime.dispatcher_of(model).plan.woven
+    make_break(block.ffn[0])
+    autoweave.boundary(block.ffn[0])  # the fingerprint sees the mark
+    with capture.FallbackCounter() as fallbacks:
+        model(torch.randn(4, 8)).sum().backward()
+    assert runtime.dispatcher_of(model).plan.woven
+    assert fallbacks.count == 0
+
+
+def test_32_same_class_leaf_regions_with_different_shapes_never_hit_recompile_limit(caplog):
+    # Hand-compiling many same-class leaves in place shares one code object and hits the
+    # recompile limit (8); each autoweave region has its own code object.
+    dims = [4 + i for i in range(32)]
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(d, d + 1) for d in dims)
+            self.experts = make_break(nn.Linear(8, 8))
+
+        def forward(self, xs):
+            return [layer(x) for layer, x in zip(self.layers, xs, strict=True)], self.experts(xs[4])
+
+    cap = capture.Capture()
+    stack = Stack()
+    stack.compile(backend=cap.backend(), fullgraph=True)
+    xs = [torch.randn(2, d) for d in dims]
+    with caplog.at_level(logging.WARNING):
+        stack(xs)
+    assert cap.graph_count == 33  # every leaf captured on its own frame, none fell back
+    assert "recompile" not in caplog.text.lower()
+
+
+def test_failure_inside_planning_falls_back_with_one_warning(monkeypatch, capsys):
+    from autoweave import _failopen, planner
+
+    monkeypatch.setattr(_failopen, "_warned", False)
+
+    def boom(*a, **k):
+        raise RuntimeError("planner exploded")
+
+    monkeypatch.setattr(planner, "plan", boom)
+    model = torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
+    out = model(torch.randn(4, 8))  # runs as plain torch would
+    model(torch.randn(4, 8))
+    assert out.shape == (4, 8)
+    err = capsys.readouterr().err
+    assert err.count("[internal-error]") == 1 and "planner exploded" in err
+
+
+def test_strict_mode_raises(monkeypatch):
+    from autoweave import _bootstrap, planner
+    from autoweave._failopen import AutoweaveError
+    from autoweave._settings import Settings
+
+    monkeypatch.setattr(_bootstrap, "_settings", Settings(enabled=True, strict=True))
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: 1 / 0)
+    model = torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
+    with pytest.raises(AutoweaveError):
+        model(torch.randn(4, 8))

@@ -1,0 +1,49 @@
+"""Small module trees for in-process tests; a dynamo-disabled pre-hook stands in for FSDP's."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def _noop(module: nn.Module, args: tuple) -> None:
+    return None
+
+
+def make_break(module: nn.Module) -> nn.Module:
+    """Give ``module`` a torch.compiler.disable'd hook, as fully_shard does: a real graph break."""
+    module.register_forward_pre_hook(torch.compiler.disable(_noop))
+    return module
+
+
+class Experts(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ self.w)
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, boundary: bool = True) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, dim)
+        self.experts = Experts(dim)
+        self.shared = nn.Linear(dim, dim)
+        if boundary:
+            make_break(self.experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(torch.sigmoid(self.router(x))) * 0.5 + self.shared(x)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 8, moe: bool = True) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.ffn = MoE(dim) if moe else nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(self.ffn(self.norm(x)))
