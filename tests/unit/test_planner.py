@@ -1,0 +1,192 @@
+"""The planner is pure: module trees in, plans out, nothing compiled."""
+
+from __future__ import annotations
+
+import functools
+
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from autoweave import boundaries, planner
+from autoweave.planner import Action
+
+
+class Node(nn.Module):
+    def forward(self, x):
+        for child in self.children():
+            x = child(x)
+        return x
+
+
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE
+
+
+def _sac(module: nn.Module) -> nn.Module:
+    return checkpoint_wrapper(module, context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
+
+
+# A tree spec: ("leaf",) | ("node", boundary, ac, [children])
+trees = st.recursive(
+    st.just(("leaf",)),
+    lambda kids: st.tuples(
+        st.just("node"), st.booleans(), st.sampled_from(["none", "full", "selective"]), st.lists(kids, min_size=1, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+def build(spec, depth=0) -> nn.Module:
+    if spec[0] == "leaf":
+        return nn.Linear(2, 2)
+    _, is_boundary, ac, kids = spec
+    node = Node()
+    for i, kid in enumerate(kids):
+        node.add_module(f"c{i}", build(kid, depth + 1))
+    if is_boundary and depth > 0:
+        boundaries.boundary(node)
+    if ac == "full":
+        return checkpoint_wrapper(node)
+    if ac == "selective":
+        return _sac(node)
+    return node
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(len(parts))]
+
+
+@settings(max_examples=150, deadline=None)
+@given(trees, st.sampled_from(planner.MODES), st.sampled_from(planner.STRATEGIES), st.booleans())
+def test_plan_invariants(spec, mode, strategy, fullgraph):
+    root = build(spec)
+    plan = planner.plan(root, mode=mode, strategy=strategy, fullgraph=fullgraph)
+    modules = dict(root.named_modules())
+    boundary_paths = [n for n, m in modules.items() if m is not root and boundaries.classify(m)]
+    assert [p for p, _ in plan.boundaries] == boundary_paths
+    if not boundary_paths or mode == "off":
+        assert not plan.woven and plan.decisions[0].action is Action.PLAIN
+        return
+    if not plan.woven:
+        return
+    by_path = {d.path: d for d in plan.decisions}
+    assert len(by_path) == len(plan.decisions), "one decision per module"
+    for d in plan.decisions:
+        module = modules[d.path] if d.path else root
+        # A region compiled whole has no boundary inside and nothing planned below it.
+        if d.action is Action.COMPILE:
+            assert not any(boundaries.classify(m) for n, m in module.named_modules() if m is not module)
+            assert not any(p.startswith(d.path + ".") for p in by_path if d.path)
+        if d.action is Action.SPLIT:
+            assert not fullgraph and d.checkpoint is None
+        if d.checkpoint is not None:
+            assert d.action in (Action.COMPILE, Action.BOUNDARY)
+    for path in boundary_paths:
+        # Every boundary's hooks stay out of compiled regions: the nearest region above it may
+        # only be a split region (dynamo breaks the graph at the boundary's call).
+        regions_above = [by_path[a] for a in _ancestors(path) if a in by_path and by_path[a].region]
+        if regions_above:
+            assert regions_above[-1].action in (Action.SPLIT, Action.BOUNDARY)
+            assert not fullgraph
+    # Every parameter has exactly one owner: its deepest planned ancestor.
+    for name, _ in root.named_parameters():
+        owner_path = name.rsplit(".", 1)[0] if "." in name else ""
+        owners = [a for a in _ancestors(owner_path) + [owner_path] if a in by_path]
+        assert owners, f"{name} belongs to no planned module"
+    # No traced checkpoint contains a boundary: each AC wrapper over a boundary is decided.
+    for name, m in modules.items():
+        if isinstance(m, CheckpointWrapper) and any(boundaries.classify(x) for x in m.modules() if x is not m):
+            if name and not any(a in by_path and by_path[a].action is Action.EAGER for a in _ancestors(name)):
+                inside_boundary = any(boundaries.classify(modules[a]) for a in _ancestors(name) if a)
+                assert name in by_path or inside_boundary
+
+
+def _moe_block(ac: str = "full"):
+    block = Node()
+    block.add_module("norm", nn.LayerNorm(2))
+    moe = Node()
+    moe.add_module("router", nn.Linear(2, 2))
+    moe.add_module("experts", boundaries.boundary(nn.Linear(2, 2), "FSDP unit (fully_shard)"))
+    block.add_module("moe", moe)
+    return checkpoint_wrapper(block) if ac == "full" else _sac(block)
+
+
+def test_full_ac_hoists_and_compiles_the_boundary_inner_forward():
+    plan = planner.plan(_moe_block("full"))
+    assert plan.decision("").action is Action.HOIST
+    inner = plan.decision("_checkpoint_wrapped_module")
+    assert inner.action is Action.SPLIT and inner.region
+    experts = plan.decision("_checkpoint_wrapped_module.moe.experts")
+    assert experts.action is Action.BOUNDARY and experts.region and "FSDP unit" in experts.reason
+
+
+def test_selective_ac_is_pushed_into_every_region():
+    plan = planner.plan(_moe_block("selective"))
+    root = plan.decision("")
+    assert root.action is Action.PUSH_DOWN and root.ac.selective
+    regions = plan.regions()
+    assert regions and all(r.checkpoint is not None and r.checkpoint.selective for r in regions)
+    assert {r.path.rsplit(".", 1)[-1] for r in regions} == {"norm", "router", "experts"}
+
+
+def test_fullgraph_full_ac_weaves_siblings():
+    plan = planner.plan(_moe_block("full"), fullgraph=True)
+    assert plan.decision("").action is Action.HOIST
+    assert plan.decision("_checkpoint_wrapped_module").action is Action.WEAVE
+    assert all(d.action is not Action.SPLIT for d in plan.decisions)
+
+
+def test_nested_boundary_inside_boundary():
+    outer = boundaries.boundary(Node(), "FSDP unit (fully_shard)")
+    outer.add_module("a", nn.Linear(2, 2))
+    outer.add_module("inner", boundaries.boundary(nn.Linear(2, 2), "FSDP unit (fully_shard)"))
+    block = Node()
+    block.add_module("outer", outer)
+    plan = planner.plan(checkpoint_wrapper(block), fullgraph=True)
+    assert plan.decision("_checkpoint_wrapped_module.outer").action is Action.BOUNDARY
+    assert plan.decision("_checkpoint_wrapped_module.outer.inner").action is Action.BOUNDARY
+    assert plan.decision("_checkpoint_wrapped_module.outer.a").action is Action.COMPILE
+
+
+def test_checkpoint_call_in_forward_is_seen():
+    class CkptBlock(Node):
+        def forward(self, x):
+            import torch.utils.checkpoint
+
+            return torch.utils.checkpoint.checkpoint(self.moe, x, use_reentrant=False)
+
+    block = CkptBlock()
+    block.add_module("moe", _moe_block("full")._checkpoint_wrapped_module.moe)
+    assert planner.calls_checkpoint(block) and not planner.calls_checkpoint(block.moe)
+    plan = planner.plan(block)
+    assert plan.woven and plan.decision("").action is Action.WEAVE
+
+
+def test_registered_predicate_and_disabled_forward_are_boundaries():
+    import torch
+
+    special = nn.Linear(2, 2)
+    pred = boundaries.register_boundary(lambda m: "special" if m is special else None)
+    try:
+        assert boundaries.classify(special) == "special"
+    finally:
+        boundaries.unregister_boundary(pred)
+    assert boundaries.classify(special) is None
+    disabled = nn.Linear(2, 2)
+    disabled.forward = torch.compiler.disable(disabled.forward)
+    assert "disable" in boundaries.classify(disabled)
+    block = Node()
+    block.add_module("d", disabled)
+    plan = planner.plan(checkpoint_wrapper(block))
+    assert plan.decision("_checkpoint_wrapped_module.d").action is Action.EAGER
+
+
+def test_unknown_mode_names_accepted_values():
+    import pytest
+
+    with pytest.raises(ValueError, match="auto, always, off"):
+        planner.plan(nn.Linear(2, 2), mode="sometimes")
