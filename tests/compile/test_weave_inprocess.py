@@ -210,3 +210,31 @@ def test_strict_mode_raises(monkeypatch):
     model = torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
     with pytest.raises(AutoweaveError):
         model(torch.randn(4, 8))
+
+
+def test_checkpoints_cross_load_with_torch_save_and_dcp(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    woven = torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
+    woven(torch.randn(4, 8)).sum().backward()  # woven at the first forward
+    assert runtime.dispatcher_of(woven).plan.woven
+    with autoweave.disabled():
+        plain = torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
+    # torch.save: woven -> plain
+    torch.save(woven.state_dict(), tmp_path / "w.pt")
+    plain.load_state_dict(torch.load(tmp_path / "w.pt"))
+    for (n1, t1), (n2, t2) in zip(woven.state_dict().items(), plain.state_dict().items(), strict=True):
+        assert n1 == n2 and torch.equal(t1, t2)
+    # torch.distributed.checkpoint: plain -> a fresh woven model
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.add_(1.0)
+    dcp.save(plain.state_dict(), checkpoint_id=str(tmp_path / "dcp"))
+    fresh = torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
+    fresh(torch.randn(4, 8))
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    fresh.load_state_dict(state)
+    for t1, t2 in zip(fresh.state_dict().values(), plain.state_dict().values(), strict=True):
+        assert torch.equal(t1, t2)
