@@ -109,10 +109,6 @@ def classify(module: nn.Module) -> str | None:
     return None
 
 
-def inner(module: nn.Module) -> nn.Module:
-    """See through wrappers that only forward to one module (FSDP1's flat wrapper)."""
-    wrapped = getattr(module, "_fsdp_wrapped_module", None)
-    return wrapped if isinstance(wrapped, nn.Module) else module
 
 
 def iter_boundaries(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module, str]]:

@@ -238,3 +238,14 @@ def test_checkpoints_cross_load_with_torch_save_and_dcp(tmp_path):
     fresh.load_state_dict(state)
     for t1, t2 in zip(fresh.state_dict().values(), plain.state_dict().values(), strict=True):
         assert torch.equal(t1, t2)
+
+
+def test_recompile_limit_hit_in_a_woven_region_is_reported(caplog):
+    torch.manual_seed(0)
+    model = cw.checkpoint_wrapper(Block())
+    model.compile(backend="aot_eager", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level(logging.WARNING, logger="autoweave"):
+        for batch in (2, 3, 4):
+            model(torch.randn(batch, 8))
+    warnings = [r for r in caplog.records if r.name == "autoweave" and "recompile limit" in r.getMessage()]
+    assert warnings, caplog.text
