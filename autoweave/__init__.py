@@ -7,13 +7,12 @@ standard library; torch-dependent names load on first use.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
-
 from autoweave import _bootstrap
+from autoweave._settings import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any
+
     import torch.nn as nn
 
     from autoweave.planner import Plan
@@ -75,13 +74,21 @@ def is_enabled() -> bool:
     return bool(patches.applied())
 
 
-@contextmanager
-def disabled() -> Iterator[None]:
-    """Context manager: compile requests made inside go to plain torch."""
-    from autoweave import runtime
+class disabled:  # noqa: N801 - used like a function: `with autoweave.disabled():`
+    """Context manager: compile requests made inside go to plain torch.
 
-    with runtime.disabled():
-        yield
+    A class, not ``@contextmanager``: this module is imported at start-up in every
+    process with ``AUTOWEAVE`` on, and ``contextlib`` would cost a millisecond there.
+    """
+
+    def __enter__(self) -> None:
+        from autoweave import runtime
+
+        self._cm = runtime.disabled()
+        self._cm.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._cm.__exit__(*exc)
 
 
 def boundary(module: nn.Module, reason: str = "marked with autoweave.boundary()") -> nn.Module:

@@ -109,8 +109,6 @@ def classify(module: nn.Module) -> str | None:
     return None
 
 
-
-
 def iter_boundaries(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module, str]]:
     """Every strict descendant of ``module`` that is a boundary, outermost first."""
     for name, child in module.named_modules(prefix=prefix):

@@ -33,6 +33,8 @@ class _Patch:
 
 _lock = threading.RLock()
 _applied: dict[tuple[int, str], _Patch] = {}
+# Keys of the patches that route calls; a wrapper we could not remove stays, inactive.
+_active: set[tuple[int, str]] = set()
 # apply_activation_checkpointing captures checkpoint_wrapper as a default
 # argument, so patching the module attribute alone does not reach it.
 _defaults_patched: list[tuple[Any, tuple[Any, ...]]] = []
@@ -45,31 +47,49 @@ def _current(owner: Any, attribute: str) -> Any:
     return getattr(owner, attribute, None)
 
 
+def _ours_in_chain(current: Any) -> AutoweaveWrapper | None:
+    """Our wrapper, on top or buried under someone else's ``functools.wraps`` layers."""
+    for _ in range(16):
+        if isinstance(current, AutoweaveWrapper):
+            return current
+        current = getattr(current, "__wrapped__", None)
+        if current is None:
+            return None
+    return None
+
+
 def _apply(name: str, owner: Any, attribute: str, route: Callable[..., Any]) -> bool:
     with _lock:
         key = (id(owner), attribute)
         current = _current(owner, attribute)
-        if isinstance(current, AutoweaveWrapper):
-            return False  # never two layers
         if current is None:
             raise AttributeError(f"{owner!r} has no attribute {attribute!r} to patch")
-        wrapper = AutoweaveWrapper(current, route)
+        buried = _ours_in_chain(current)
+        if buried is not None:
+            # Never two layers: a wrapper left under someone else's is switched back on.
+            _active.add(key)
+            return False
+        wrapper = AutoweaveWrapper(current, route, enabled=lambda: key in _active)
         setattr(owner, attribute, wrapper)
         _applied[key] = _Patch(name, owner, attribute, current, wrapper)
+        _active.add(key)
         logger.debug("patched %s.%s", getattr(owner, "__name__", owner), attribute)
         return True
 
 
-def _revert(patch: _Patch) -> bool:
+def _revert(key: tuple[int, str], patch: _Patch) -> bool:
+    _active.discard(key)
     current = _current(patch.owner, patch.attribute)
     if current is not patch.wrapper:
         logger.warning(
-            "not restoring %s.%s: something else replaced autoweave's wrapper; leaving it",
+            "not restoring %s.%s: something else wrapped autoweave's wrapper; "
+            "leaving both, autoweave's now passes calls straight through",
             getattr(patch.owner, "__name__", patch.owner),
             patch.attribute,
         )
         return False
     setattr(patch.owner, patch.attribute, patch.original)
+    del _applied[key]
     return True
 
 
@@ -110,8 +130,7 @@ def revert_all() -> None:
     """Restore every original that is still under our wrapper."""
     with _lock:
         for key, patch in list(_applied.items()):
-            _revert(patch)
-            del _applied[key]
+            _revert(key, patch)
         for function, defaults in _defaults_patched:
             function.__defaults__ = defaults
         _defaults_patched.clear()
@@ -120,7 +139,7 @@ def revert_all() -> None:
 def applied() -> list[str]:
     """Names of the patches in place now, e.g. ``['compile', 'module_compile']``."""
     with _lock:
-        return sorted(p.name for p in _applied.values())
+        return sorted(p.name for key, p in _applied.items() if key in _active)
 
 
 def original(name: str) -> Any:
