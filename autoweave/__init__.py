@@ -5,7 +5,6 @@ from code with :func:`enable`. Importing this package imports only the
 standard library; torch-dependent names load on first use.
 """
 
-from __future__ import annotations
 
 from autoweave import _bootstrap
 from autoweave._settings import TYPE_CHECKING
@@ -91,21 +90,21 @@ class disabled:  # noqa: N801 - used like a function: `with autoweave.disabled()
         self._cm.__exit__(*exc)
 
 
-def boundary(module: nn.Module, reason: str = "marked with autoweave.boundary()") -> nn.Module:
+def boundary(module: "nn.Module", reason: str = "marked with autoweave.boundary()") -> "nn.Module":
     """Mark ``module`` as a boundary: compiled regions stop at its call. Returns it."""
     from autoweave import boundaries
 
     return boundaries.boundary(module, reason)
 
 
-def register_boundary(predicate: Any, *, name: str | None = None) -> Any:
+def register_boundary(predicate: "Any", *, name: str | None = None) -> "Any":
     """Register ``predicate(module) -> reason | True | None`` as a boundary kind."""
     from autoweave import boundaries
 
     return boundaries.register_boundary(predicate, name=name)
 
 
-def set_mode(module: nn.Module, mode: str | None = None, *, strategy: str | None = None) -> nn.Module:
+def set_mode(module: "nn.Module", mode: str | None = None, *, strategy: str | None = None) -> "nn.Module":
     """Per-module weave mode (``auto``/``always``/``off``) and AC strategy."""
     from autoweave import runtime
 
@@ -113,8 +112,8 @@ def set_mode(module: nn.Module, mode: str | None = None, *, strategy: str | None
 
 
 def plan(
-    module: nn.Module, *, fullgraph: bool = False, mode: str | None = None, strategy: str | None = None
-) -> Plan:
+    module: "nn.Module", *, fullgraph: bool = False, mode: str | None = None, strategy: str | None = None
+) -> "Plan":
     """The plan autoweave would apply to ``torch.compile(module)`` now, without compiling."""
     from autoweave import planner
 

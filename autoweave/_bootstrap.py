@@ -4,7 +4,6 @@ Everything here is standard library only. The heavy parts (wrapt, torch, the
 patches) are imported by the hooks, when torch itself is imported.
 """
 
-from __future__ import annotations
 
 import _thread
 import sys
@@ -19,7 +18,7 @@ TORCH = "torch"
 CHECKPOINT_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 
 _lock = _thread.RLock()
-_settings: Settings | None = None
+_settings: "Settings | None" = None
 _hooks_registered = False
 _problems_reported = False
 
@@ -32,7 +31,7 @@ def settings() -> Settings:
     return _settings
 
 
-def reload_settings(new: Settings | None = None) -> Settings:
+def reload_settings(new: "Settings | None" = None) -> Settings:
     """Re-read the environment (or take ``new``); for tests and ``enable()``."""
     global _settings
     _settings = Settings.from_environ() if new is None else new
@@ -96,7 +95,7 @@ def uninstall() -> None:
             patches.revert_all()
 
 
-def _on_torch_import(module: Any) -> None:
+def _on_torch_import(module: "Any") -> None:
     from autoweave._failopen import guard
 
     with guard("patching torch", fallback="torch runs unpatched"):
@@ -105,7 +104,7 @@ def _on_torch_import(module: Any) -> None:
         patches.apply_torch(settings())
 
 
-def _on_checkpoint_wrapper_import(module: Any) -> None:
+def _on_checkpoint_wrapper_import(module: "Any") -> None:
     from autoweave._failopen import guard
 
     with guard("patching checkpoint_wrapper", fallback="checkpoint_wrapper runs unpatched"):

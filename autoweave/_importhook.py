@@ -6,7 +6,6 @@ start-up file must not pay that in processes that never import torch; even
 per import.
 """
 
-from __future__ import annotations
 
 import _thread
 import sys
@@ -21,24 +20,24 @@ if TYPE_CHECKING:  # pragma: no cover
     Hook = Callable[[Any], None]
 
 _lock = _thread.RLock()
-_hooks: dict[str, list[Hook]] = {}
+_hooks: "dict[str, list[Hook]]" = {}
 _busy: set[str] = set()
 
 
 class _ChainedLoader:
     """Runs the real loader, then the hooks for the module it just executed."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: "Any") -> None:
         self._loader = loader
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> "Any":
         # Resource readers, get_code, is_package ... all belong to the real loader.
         return getattr(self._loader, name)
 
-    def create_module(self, spec: Any) -> Any:
+    def create_module(self, spec: "Any") -> "Any":
         return self._loader.create_module(spec)
 
-    def exec_module(self, module: Any) -> None:
+    def exec_module(self, module: "Any") -> None:
         self._loader.exec_module(module)
         # Put the real loader back so later introspection sees what it expects.
         spec = getattr(module, "__spec__", None)
@@ -50,7 +49,7 @@ class _ChainedLoader:
 
 
 class _Finder:
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+    def find_spec(self, fullname: str, path: "Any" = None, target: "Any" = None) -> "Any":
         if fullname not in _hooks:
             return None
         with _lock:
@@ -89,7 +88,7 @@ def _fire(name: str) -> None:
         hook(sys.modules[name])
 
 
-def register(name: str, hook: Hook) -> None:
+def register(name: str, hook: "Hook") -> None:
     """Call ``hook(module)`` once ``name`` is imported; at once if it already is."""
     with _lock:
         _hooks.setdefault(name, []).append(hook)

@@ -4,7 +4,6 @@ Standard library only: the start-up file imports this module in every Python
 process where ``AUTOWEAVE`` is set, long before torch is loaded.
 """
 
-from __future__ import annotations
 
 import os
 
@@ -101,7 +100,7 @@ class Settings:
         return out
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
+    def from_environ(cls, environ: "Mapping[str, str] | None" = None) -> "Settings":
         env = os.environ if environ is None else environ
         problems: list[str] = []
 
@@ -162,7 +161,7 @@ class Settings:
         )
 
 
-def requested(environ: Mapping[str, str] | None = None) -> bool:
+def requested(environ: "Mapping[str, str] | None" = None) -> bool:
     """Cheap pre-check used by the start-up file: is ``AUTOWEAVE`` set to anything but off?"""
     env = os.environ if environ is None else environ
     return env.get(AUTOWEAVE, "").strip().lower() not in FALSE_VALUES

@@ -123,18 +123,18 @@ def test_unset_torch_is_original(any_install: venvs.Venv, probe_dir: Path) -> No
 def test_on_without_torch_imports_neither_torch_nor_wrapt(installed_venv: venvs.Venv, value: str) -> None:
     proc = installed_venv.run(["-c", CHECK_MODULES], env=venvs.child_env({"AUTOWEAVE": value}))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "['_autoweave_start', 'autoweave']"
+    assert proc.stdout.strip() == "['autoweave']"
     assert autoweave_lines(proc.stderr) == [], proc.stderr
 
 
 def test_on_without_torch_editable(editable_venv: venvs.Venv) -> None:
     proc = editable_venv.run(["-c", CHECK_MODULES], env=venvs.child_env({"AUTOWEAVE": "1"}))
-    assert proc.stdout.strip() == "['_autoweave_start', 'autoweave']", proc.stderr
+    assert proc.stdout.strip() == "['autoweave']", proc.stderr
 
 
 def test_on_patches_torch(any_install: venvs.Venv, probe_dir: Path) -> None:
     state, proc = run_probe(any_install, probe_dir, "torch", "cw", env={"AUTOWEAVE": "1"})
-    assert sorted(state["at_start"]) == ["_autoweave_start", "autoweave"]
+    assert sorted(state["at_start"]) == ["autoweave"]
     assert_patched(state)
     assert autoweave_lines(proc.stderr) == [], proc.stderr
 

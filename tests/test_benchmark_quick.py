@@ -1,0 +1,64 @@
+"""benchmarks/weave_bench.py --quick end to end: it runs, and its JSON and chart say what they should."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "weave_bench.py"
+
+COLUMNS = (
+    "variant", "ops", "graphs", "graph_breaks", "fallbacks", "eager_gemms",
+    "first_step_s", "step_s", "step_ratio", "peak_rss_mb", "max_rel_loss_diff",
+)  # fmt: skip
+VARIANTS = ("eager", "compile_ac:off", "hand_siblings:off", "hand_ac_compile:off", "compile_ac:on", "upper_bound:off")
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    tmp = tmp_path_factory.mktemp("bench")
+    out_json, out_png = tmp / "bench.json", tmp / "bench.png"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOWEAVE")}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--json", str(out_json), "--png", str(out_png)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    return proc, out_json, out_png
+
+
+@pytest.mark.slow
+def test_quick_benchmark_json(quick: tuple[subprocess.CompletedProcess, Path, Path]) -> None:
+    proc, out_json, _ = quick
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["torch"] and data["meta"]["args"]["quick"] is True
+    assert tuple(data["columns"]) == COLUMNS
+    rows = {row["variant"]: row for row in data["rows"]}
+    assert tuple(rows) == VARIANTS
+    for name, row in rows.items():
+        assert row["error"] is None, (name, row["error"], proc.stderr[-3000:])
+        for column in COLUMNS:
+            assert row.get(column) is not None, (name, column)
+    weave, fallback = rows["compile_ac:on"], rows["compile_ac:off"]
+    assert weave["fallbacks"] == 0
+    assert fallback["fallbacks"] > 0
+    assert weave["step_ratio"] == pytest.approx(1.0)
+    assert rows["eager"]["max_rel_loss_diff"] == 0
+    assert weave["max_rel_loss_diff"] < 1e-5
+    assert weave["eager_gemms"] < fallback["eager_gemms"]
+    assert "| autoweave `compile_ac:on` |" in proc.stdout  # the Markdown table went to stdout
+
+
+@pytest.mark.slow
+def test_quick_benchmark_png(quick: tuple[subprocess.CompletedProcess, Path, Path]) -> None:
+    pytest.importorskip("matplotlib")
+    proc, _, out_png = quick
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert out_png.exists(), proc.stderr[-3000:]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
