@@ -321,10 +321,11 @@ def chart(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> None:
         bars = ax.barh(range(len(rows)), ys, color=colors)
         for bar, row in zip(bars, rows, strict=True):
             text = "error" if row["error"] else ("—" if row[key] is None else fmt.format(row[key]))
-            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + text, va="center", fontsize=9)
-            if key == "step_ratio":
-                for ratio in row.get("step_ratio_per_repeat", []):
-                    ax.plot(ratio, bar.get_y() + bar.get_height() / 2, "k.", markersize=4)
+            dots = row.get("step_ratio_per_repeat", []) if key == "step_ratio" else []
+            for ratio in dots:
+                ax.plot(ratio, bar.get_y() + bar.get_height() / 2, "k.", markersize=4)
+            x = max([bar.get_width(), *dots])
+            ax.text(x, bar.get_y() + bar.get_height() / 2, " " + text, va="center", fontsize=9)
         if key == "step_ratio":
             ax.axvline(1.0, color="k", linewidth=0.8, linestyle="--")
         ax.set_yticks(range(len(rows)), names, fontsize=8)
