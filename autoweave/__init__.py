@@ -5,7 +5,6 @@ from code with :func:`enable`. Importing this package imports only the
 standard library; torch-dependent names load on first use.
 """
 
-
 from autoweave import _bootstrap
 from autoweave._settings import TYPE_CHECKING
 

@@ -4,7 +4,6 @@ Everything here is standard library only. The heavy parts (wrapt, torch, the
 patches) are imported by the hooks, when torch itself is imported.
 """
 
-
 import _thread
 import sys
 

@@ -6,7 +6,6 @@ start-up file must not pay that in processes that never import torch; even
 per import.
 """
 
-
 import _thread
 import sys
 

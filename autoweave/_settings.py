@@ -4,7 +4,6 @@ Standard library only: the start-up file imports this module in every Python
 process where ``AUTOWEAVE`` is set, long before torch is loaded.
 """
 
-
 import os
 
 # Not `from typing import TYPE_CHECKING`: typing costs milliseconds at start-up.

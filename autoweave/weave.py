@@ -7,6 +7,7 @@ are exactly what the user built. ``Applied.revert`` undoes it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import types
 from collections.abc import Callable
@@ -23,25 +24,84 @@ _MISSING = object()
 _labels = itertools.count()
 
 
-def _trampoline(call: Callable[..., Any], label: str) -> Callable[..., Any]:
-    """A function with a code object of its own that calls ``call``.
+def _fresh_code(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+    """``fn`` again, on a code object of its own named ``label``.
 
-    Dynamo keeps its cache (and its recompile limit) per code object. Compiling
+    Dynamo keeps its cache (and its recompile limit, 8) per code object. Compiling
     every region through one shared function (``Module._call_impl``, a class's
-    ``forward``) makes same-class siblings with different shapes share one cache
-    and hit the limit (8), after which they silently run eager; a fresh code
-    object per region gives each region its own cache. It also gives dynamo a
-    frame outside ``torch.nn`` to start from: in-place compile of a built-in leaf
-    such as ``nn.Linear`` otherwise captures nothing.
+    ``forward``) puts unrelated modules in one cache: same-class siblings with
+    different shapes recompile until the limit and then silently run eager. A
+    code object per *kind* of region (see ``_region_key``) keeps unrelated
+    modules apart while identical blocks still share one graph. It also gives
+    dynamo a frame outside ``torch.nn`` to start from: in-place compile of a
+    built-in leaf such as ``nn.Linear`` otherwise captures nothing.
     """
+    code = fn.__code__.replace(co_name=label, co_qualname=label)
+    fresh = types.FunctionType(code, fn.__globals__, label, None, fn.__closure__)
+    fresh.__qualname__ = label
+    return fresh
+
+
+def _shared_region(forward: Callable[..., Any], checkpoint_fn: Any, label: str) -> Callable[..., Any]:
+    """A function ``region(module, *args)`` running the class ``forward`` (under AC if asked).
+
+    The module is an argument of the compiled frame, not a closure: dynamo then
+    guards on its type and treats its parameters as inputs, the way
+    ``torch.compile(block)`` does, so identical layers reuse one graph.
+    """
+    if checkpoint_fn is None:
+
+        def region(module: Any, *args: Any, **kwargs: Any) -> Any:
+            return forward(module, *args, **kwargs)
+
+    else:
+
+        def region(module: Any, *args: Any, **kwargs: Any) -> Any:
+            def body(*a: Any, **k: Any) -> Any:
+                return forward(module, *a, **k)
+
+            return checkpoint_fn(body, *args, **kwargs)
+
+    return _fresh_code(region, label)
+
+
+def _private_region(call: Callable[..., Any], label: str) -> Callable[..., Any]:
+    """A region for a module with an instance-level forward: nothing to share."""
 
     def region(*args: Any, **kwargs: Any) -> Any:
         return call(*args, **kwargs)
 
-    code = region.__code__.replace(co_name=label, co_qualname=label)
-    fn = types.FunctionType(code, region.__globals__, label, None, region.__closure__)
-    fn.__qualname__ = label
-    return fn
+    return _fresh_code(region, label)
+
+
+def _identity(value: Any) -> Any:
+    func = getattr(value, "func", None)
+    if func is not None:  # functools.partial, e.g. context_fn=partial(create_..._contexts, policy)
+        return ("partial", id(func), tuple(_identity(a) for a in value.args), _identity(value.keywords))
+    if isinstance(value, dict):
+        return tuple(sorted((k, _identity(v)) for k, v in value.items()))
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return value
+    return id(value)
+
+
+def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]) -> tuple:
+    """Regions with equal keys run the same code on same-shaped modules: they share one cache."""
+    shapes = tuple(
+        (name, type(t).__name__, tuple(t.shape), t.dtype)
+        for name, t in (*module.named_parameters(), *module.named_buffers())
+    )
+    structure = tuple((name, type(m)) for name, m in module.named_modules())
+    spec = decision.checkpoint
+    checkpoint = (
+        None
+        if spec is None
+        else (
+            _identity(getattr(spec.checkpoint_fn, "func", None)),
+            _identity(getattr(spec.checkpoint_fn, "keywords", {})),
+        )
+    )
+    return (type(module).forward, structure, shapes, decision.action, checkpoint, _identity(compile_kwargs))
 
 
 def _prior_forward(module: nn.Module) -> Any:
@@ -64,7 +124,7 @@ class Applied:
     """What ``apply_plan`` changed, so it can be reverted exactly."""
 
     changes: list[tuple[nn.Module, Any]] = field(default_factory=list)
-    regions: dict[str, str] = field(default_factory=dict)  # region label -> module path
+    regions: dict[str, str] = field(default_factory=dict)  # module path -> region label (shared code)
 
     def _set_forward(self, module: nn.Module, fn: Any) -> None:
         previous = module.__dict__.get("forward", _MISSING)
@@ -102,6 +162,32 @@ def _without_checkpoint(wrapper: nn.Module) -> Callable[..., Any]:
     return forward
 
 
+_shared: dict[tuple, tuple[Callable[..., Any], str]] = {}
+
+
+def _region_forward(
+    module: nn.Module, decision: Any, compile_fn: Callable[..., Any], kwargs: dict[str, Any]
+) -> tuple[Callable[..., Any], str]:
+    """The compiled forward to install on ``module``, and its region label."""
+    own = module.__dict__.get("forward", _MISSING)
+    while own is not _MISSING and own is not None and hasattr(own, PRIOR):
+        own = getattr(own, PRIOR)
+    if own is not _MISSING and own is not None:
+        call = own if decision.checkpoint is None else _with_checkpoint(own, decision.checkpoint)
+        label = _label(decision.path, module)
+        return compile_fn(_private_region(call, label), **kwargs), label
+    key = _region_key(module, decision, kwargs)
+    if key not in _shared:
+        label = _label(decision.path, module)
+        checkpoint_fn = None if decision.checkpoint is None else decision.checkpoint.checkpoint_fn
+        _shared[key] = (
+            compile_fn(_shared_region(type(module).forward, checkpoint_fn, label), **kwargs),
+            label,
+        )
+    compiled, label = _shared[key]
+    return functools.partial(compiled, module), label
+
+
 def apply_plan(
     root: nn.Module,
     plan: Plan,
@@ -117,14 +203,10 @@ def apply_plan(
             module = root.get_submodule(decision.path) if decision.path else root
             forward: Callable[..., Any] | None = None
             if decision.region:
-                call = _prior_forward(module)
-                if decision.checkpoint is not None:
-                    call = _with_checkpoint(call, decision.checkpoint)
-                label = _label(decision.path, module)
                 kwargs = dict(compile_kwargs)
                 kwargs["fullgraph"] = bool(kwargs.get("fullgraph")) and decision.action is not Action.SPLIT
-                forward = compile_fn(_trampoline(call, label), **kwargs)
-                applied.regions[label] = decision.path
+                forward, label = _region_forward(module, decision, compile_fn, kwargs)
+                applied.regions[decision.path] = label
             elif decision.action is Action.PUSH_DOWN:
                 forward = _without_checkpoint(module)
             if decision.opaque:
