@@ -22,6 +22,7 @@ __all__ = [
     "disable",
     "disabled",
     "enable",
+    "explain",
     "is_enabled",
     "plan",
     "register_boundary",
@@ -123,6 +124,17 @@ def plan(
         strategy=strategy or getattr(module, "_autoweave_strategy", None) or settings.strategy,
         fullgraph=fullgraph,
     )
+
+
+def explain(model_or_factory: "Any", **options: "Any") -> str:
+    """The plan of each block of a model built on the meta device, without compiling.
+
+    See :func:`autoweave.explainer.explain` for ``ac``, ``shard``, ``recipe``,
+    ``mode``, ``strategy`` and ``fullgraph``.
+    """
+    from autoweave import explainer
+
+    return explainer.explain(model_or_factory, **options)
 
 
 def _environ() -> dict[str, str]:

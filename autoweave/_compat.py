@@ -103,3 +103,37 @@ def disable(fn: Any, *, recursive: bool) -> Any:
     import torch
 
     return torch._dynamo.disable(fn, recursive=recursive)
+
+
+def compile_backend(
+    backend: Any, mode: str | None, options: dict | None, dynamic: Any, name: str | None
+) -> Any:
+    """The backend callable ``torch.compile(..., backend=, mode=, options=)`` would build.
+
+    Lets the report wrap it (to count graphs) and hand ``torch.compile`` the
+    wrapper with ``mode``/``options`` removed, compiling exactly the same way.
+    """
+    import torch
+
+    if mode is None and options is None:
+        mode = "default"
+    if backend is None or backend == "inductor":
+        wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+        if wrapper is None:
+            raise UnsupportedTorch("torch._TorchCompileInductorWrapper is missing")
+        try:
+            return wrapper(mode, options, dynamic, name)
+        except TypeError:  # torch before the `name` argument
+            return wrapper(mode, options, dynamic)
+    wrapper = getattr(torch, "_TorchCompileWrapper", None)
+    if wrapper is None:
+        raise UnsupportedTorch("torch._TorchCompileWrapper is missing")
+    return wrapper(backend, mode, options, dynamic)
+
+
+def compile_callbacks() -> Any:
+    """dynamo's compile start/end callback registry, or None where torch lacks it."""
+    try:
+        return _first("torch._dynamo.callback.callback_handler")
+    except UnsupportedTorch:
+        return None

@@ -9,6 +9,10 @@ import sys
 logger = logging.getLogger("autoweave")
 logger.addHandler(logging.NullHandler())
 
+# Between INFO and WARNING: the one plan summary autoweave shows by default (rank 0).
+SUMMARY = 25
+logging.addLevelName(SUMMARY, "SUMMARY")
+
 _handler: logging.Handler | None = None
 
 
@@ -21,13 +25,38 @@ def rank() -> int:
     return 0
 
 
-def configure(level: str | None) -> None:
-    """Attach one stderr handler at ``level`` (idempotent); never touches the root logger."""
+def world_size() -> int:
+    value = os.environ.get("WORLD_SIZE", "")
+    return int(value) if value.strip().isdigit() else 1
+
+
+def _attach(level: int | str) -> None:
     global _handler
-    if level is None:
-        return
     if _handler is None:
         _handler = logging.StreamHandler(sys.stderr)
         _handler.setFormatter(logging.Formatter(f"[autoweave rank{rank()}] %(levelname)s %(message)s"))
         logger.addHandler(_handler)
-    logger.setLevel(level.upper())
+    logger.setLevel(level)
+
+
+def configure(level: str | None) -> None:
+    """Attach one stderr handler at ``level`` (idempotent); never touches the root logger."""
+    if level is None:
+        return
+    _attach(level.upper())
+
+
+def configure_default() -> None:
+    """No level asked for: show the plan summary (and warnings) on rank 0 only.
+
+    Other ranks keep Python's defaults (warnings only). When the application has
+    configured logging itself (the root logger has handlers), only the level is
+    set, so the summary goes through the application's handlers, once.
+    """
+    if _handler is not None or rank() != 0:
+        return
+    if logger.level == logging.NOTSET or logger.level > SUMMARY:
+        if logging.getLogger().handlers:
+            logger.setLevel(SUMMARY)
+        else:
+            _attach(SUMMARY)

@@ -21,6 +21,7 @@ AUTOWEAVE_LOG_LEVEL = "AUTOWEAVE_LOG_LEVEL"
 AUTOWEAVE_STRICT = "AUTOWEAVE_STRICT"
 AUTOWEAVE_MODE = "AUTOWEAVE_MODE"
 AUTOWEAVE_STRATEGY = "AUTOWEAVE_STRATEGY"
+AUTOWEAVE_REPORT = "AUTOWEAVE_REPORT"
 
 VARIABLES: dict[str, str] = {
     AUTOWEAVE: "turn autoweave on for this process and its children",
@@ -30,6 +31,7 @@ VARIABLES: dict[str, str] = {
     AUTOWEAVE_STRICT: "raise on internal failures instead of falling back",
     AUTOWEAVE_MODE: "when to weave: auto, always or off",
     AUTOWEAVE_STRATEGY: "how to place AC in a woven block: auto, hoist, push-down, siblings",
+    AUTOWEAVE_REPORT: "write a JSON report of the plan and what compiled to this path at exit",
 }
 
 TRUE_VALUES = ("1", "true", "yes", "on")
@@ -47,7 +49,16 @@ class Settings:
     to import, paid at start-up by every process with ``AUTOWEAVE`` set.
     """
 
-    __slots__ = ("enabled", "disabled_patches", "log_level", "strict", "mode", "strategy", "problems")
+    __slots__ = (
+        "enabled",
+        "disabled_patches",
+        "log_level",
+        "strict",
+        "mode",
+        "strategy",
+        "problems",
+        "report",
+    )
 
     enabled: bool
     disabled_patches: frozenset[str]
@@ -58,6 +69,8 @@ class Settings:
     # Human-readable complaints about values we could not use; each names the
     # variable and the accepted values.
     problems: tuple[str, ...]
+    # Path template of the JSON report written at exit ("{rank}" is replaced), or None.
+    report: str | None
 
     def __init__(
         self,
@@ -68,10 +81,11 @@ class Settings:
         mode: str = "auto",
         strategy: str = "auto",
         problems: tuple[str, ...] = (),
+        report: str | None = None,
     ) -> None:
         for name, value in zip(
             self.__slots__,
-            (enabled, disabled_patches, log_level, strict, mode, strategy, problems),
+            (enabled, disabled_patches, log_level, strict, mode, strategy, problems, report),
             strict=True,
         ):
             object.__setattr__(self, name, value)
@@ -149,6 +163,17 @@ class Settings:
                     f"(accepted: {','.join(PATCH_NAMES)}); ignoring it"
                 )
 
+        report: str | None = env.get(AUTOWEAVE_REPORT, "").strip() or None
+        if report is not None:
+            try:
+                report.format(rank=0)
+            except (KeyError, IndexError, ValueError):
+                problems.append(
+                    f"{AUTOWEAVE_REPORT}={report!r} is not a usable path "
+                    "(accepted: a file path; '{rank}' is the only placeholder); writing no report"
+                )
+                report = None
+
         return cls(
             enabled=enabled,
             disabled_patches=frozenset(patches),
@@ -157,6 +182,7 @@ class Settings:
             mode=choice(AUTOWEAVE_MODE, MODES, "auto") or "auto",
             strategy=choice(AUTOWEAVE_STRATEGY, STRATEGIES, "auto") or "auto",
             problems=tuple(problems),
+            report=report,
         )
 
 

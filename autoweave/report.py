@@ -1,13 +1,38 @@
-"""Human-readable plans: the one summary logged at the first woven forward."""
+"""What autoweave tells you: the plan summary (a log) and the run report (a JSON file).
+
+* **Plan summary.** Every compiled module's plan is recorded at its first
+  forward, named by its place in the model (``layers.3``). Once all of them have
+  planned (the first planned module is called again: the next step began) or at
+  exit, rank 0 logs one compact tree, identical blocks folded into one line.
+* **Report** (``AUTOWEAVE_REPORT=path.json``, ``{rank}`` for one file per rank).
+  Counts what compiled, region by region (graphs, ops, compile time, recompiles,
+  through a counting wrapper around each region's backend, see ``instrument``),
+  and what dynamo signalled for every compile in the process, autoweave's or not
+  (graph breaks, recompile-limit hits, checkpointed regions that fell back to
+  eager). Written at exit; rank 0 also prints a one-screen summary.
+"""
 
 from __future__ import annotations
 
+import atexit
+import json
+import logging
+import os
 import re
+import sys
+import threading
+import time
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
 
-from autoweave._log import logger
+from autoweave import capture
+from autoweave._log import SUMMARY, logger, rank, world_size
 from autoweave.planner import Action, Plan
 
 _WRAPPER_SEGMENTS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)(?=\.|$)")
+_WRAPPER_ATTRS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 _VERBS = {
     Action.PLAIN: "plain torch.compile",
@@ -21,26 +46,117 @@ _VERBS = {
 }
 
 
+# -- formatting ---------------------------------------------------------------------------
+
+
 def display_path(path: str) -> str:
     """A plan path as the user names it (wrapper segments dropped, like state_dict keys)."""
     cleaned = _WRAPPER_SEGMENTS.sub("", path).strip(".")
     return cleaned or "<root>"
 
 
-def format_plan(plan: Plan, *, name: str = "") -> str:
-    """One line per decision, indented by depth."""
-    head = f"{name or plan.root_type} ({plan.root_type}): "
-    if not plan.woven:
-        return head + plan.decisions[0].reason
-    lines = [
-        head + f"woven, {len(plan.regions())} compiled regions (mode={plan.mode}, strategy={plan.strategy})"
-    ]
+def _join(name: str, path: str) -> str:
+    shown = display_path(path)
+    if shown == "<root>":
+        return name or shown
+    return f"{name}.{shown}" if name else shown
+
+
+def _decision_lines(plan: Plan, name: str, indent: str) -> list[str]:
+    lines = []
     for decision in plan.decisions:
         shown = display_path(decision.path)
         depth = 0 if shown == "<root>" else shown.count(".") + 1
         lines.append(
-            f"  {'  ' * depth}{shown} [{decision.module_type}] {_VERBS[decision.action]}: {decision.reason}"
+            f"{indent}{'  ' * depth}{_join(name, decision.path)} [{decision.module_type}] "
+            f"{_VERBS[decision.action]}: {decision.reason}"
         )
+    return lines
+
+
+def _head(plan: Plan) -> str:
+    if not plan.woven:
+        return plan.decisions[0].reason
+    return f"woven into {len(plan.regions())} compiled regions (mode={plan.mode}, strategy={plan.strategy})"
+
+
+def format_plan(plan: Plan, *, name: str = "", type_name: str | None = None) -> str:
+    """One plan: a head line, then (when woven) one line per decision, indented by depth."""
+    head = f"{name or plan.root_type} ({type_name or plan.root_type}): {_head(plan)}"
+    if not plan.woven:
+        return head
+    return "\n".join([head, *_decision_lines(plan, name, "  ")])
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def fold_names(names: list[str]) -> str:
+    """``layers.1 … layers.3`` -> ``layers.1-3`` (also ``layers.1-3.moe.experts``); else comma-joined."""
+    if len(names) == 1:
+        return names[0]
+    split = [_DIGITS.split(n) for n in names]
+    skeletons = {tuple(parts[0::2]) for parts in split}
+    if len(skeletons) == 1:
+        columns = list(zip(*(parts[1::2] for parts in split), strict=True))
+        varying = [i for i, column in enumerate(columns) if len(set(column)) > 1]
+        if len(varying) == 1:
+            i = varying[0]
+            numbers = sorted(int(v) for v in columns[i])
+            if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+                folded = f"{numbers[0]}-{numbers[-1]}"
+            else:
+                folded = "{" + ",".join(map(str, numbers)) + "}"
+            parts = list(split[0])
+            parts[2 * i + 1] = folded
+            return "".join(parts)
+    shown = ", ".join(names[:4])
+    return shown + (f", … (+{len(names) - 4})" if len(names) > 4 else "")
+
+
+@dataclass
+class Entry:
+    """One compiled module's plan, as the summary and the report show it."""
+
+    name: str  # qualified name in the model ("layers.3"), or "" when unknown
+    type_name: str  # the user's block type under any wrappers
+    plan: Plan
+    regions: dict[str, str] = field(default_factory=dict)  # plan path -> region label
+    plain_label: str | None = None  # the counted plain compile, when not woven
+
+    @property
+    def shown(self) -> str:
+        return self.name or self.type_name
+
+    def key(self) -> tuple[str, str]:
+        return (self.type_name, format_plan(self.plan, type_name=self.type_name).split(": ", 1)[1])
+
+
+def format_summary(entries: list[Entry]) -> str:
+    """The plan log: one tree for all modules, identical plans folded into one line."""
+    groups: dict[tuple[str, str], list[Entry]] = {}
+    for entry in entries:
+        groups.setdefault(entry.key(), []).append(entry)
+    woven = sum(1 for e in entries if e.plan.woven)
+    lines = [f"autoweave plan: {len(entries)} compiled module{'s' * (len(entries) != 1)}, {woven} woven"]
+    for members in groups.values():
+        first = members[0]
+        if not first.plan.woven:
+            names = fold_names([m.shown for m in members])
+            count = f"{len(members)} × " if len(members) > 1 else ""
+            lines.append(f"  {names} ({count}{first.type_name}): {_head(first.plan)}")
+            continue
+        lines.append(f"  {first.shown} ({first.type_name}): {_head(first.plan)}")
+        lines.extend(_decision_lines(first.plan, first.name, "    "))
+        if len(members) > 1:
+            rest = members[1:]
+            if all(m.name for m in rest):
+                lines.append(
+                    f"  {fold_names([m.name for m in rest])} ({len(rest)} × {first.type_name}): "
+                    f"same plan as {first.shown}"
+                )
+            else:
+                lines.append(f"  {len(rest)} more × {first.type_name}: same plan")
     return "\n".join(lines)
 
 
@@ -48,10 +164,565 @@ _logged: set[str] = set()
 
 
 def log_plan(plan: Plan) -> None:
-    """Log a woven plan at INFO once per distinct plan text (identical blocks fold)."""
+    """Log one plan at INFO once per distinct plan text (kept for callers of the old API)."""
     text = format_plan(plan)
     if text in _logged:
         logger.debug("same plan again for another %s", plan.root_type)
         return
     _logged.add(text)
     logger.info("autoweave plan:\n%s", text)
+
+
+# -- naming a compile target in the whole model -------------------------------------------
+
+
+def inner_type(module: Any) -> str:
+    """The user's module type under compile / checkpoint / FSDP1 wrappers."""
+    for _ in range(8):
+        for attr in _WRAPPER_ATTRS:
+            inner = getattr(module, "_modules", {}).get(attr)
+            if inner is not None:
+                module = inner
+                break
+        else:
+            break
+    return type(module).__name__
+
+
+def _path_in(owner: Any, module: Any) -> str | None:
+    for name, child in owner.named_modules():
+        if child is module:
+            return name
+    return None
+
+
+def qualified_name(target: Any, dispatcher: Any = None, *, frame: Any = None) -> str:
+    """``layers.3``: where ``target`` sits in the model whose forward is calling it now.
+
+    Best effort: walks the calling frames outward; each frame whose ``self`` is a
+    module holding the one found so far extends the name. "" when no caller
+    holds it (a module compiled and called on its own).
+    """
+    import torch.nn as nn
+
+    frame = frame or sys._getframe(1)
+    current: Any = None
+    path = ""
+    for _ in range(256):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(owner, nn.Module) and owner is not current:
+            if current is None:
+                if owner is target or (
+                    dispatcher is not None and owner.__dict__.get("_autoweave_dispatcher") is dispatcher
+                ):
+                    current = owner
+            else:
+                found = _path_in(owner, current)
+                if found:
+                    path = f"{found}.{path}" if path else found
+                    current = owner
+        frame = frame.f_back
+    return display_path(path) if path else ""
+
+
+# -- the plan summary ---------------------------------------------------------------------
+
+_lock = threading.RLock()
+_entries: dict[int, Entry] = {}  # id(dispatcher) -> its latest plan
+_unsummarised: list[int] = []
+# Read by the dispatcher on every call: a summary is waiting for the next step.
+pending = False
+
+
+def record_plan(dispatcher: Any, plan: Plan) -> Entry | None:
+    """Called by the dispatcher after it applied ``plan``; the summary is logged later. Never raises."""
+    try:
+        return _record(dispatcher, plan, sys._getframe(1))
+    except Exception:
+        logger.debug("could not record the plan of %s", type(dispatcher.target).__name__, exc_info=True)
+        return None
+
+
+def _record(dispatcher: Any, plan: Plan, caller: Any) -> Entry:
+    global pending
+    target = dispatcher.target
+    applied = getattr(dispatcher, "_applied", None)
+    entry = Entry(
+        name=qualified_name(target, dispatcher, frame=caller),
+        type_name=inner_type(target),
+        plan=plan,
+        regions=dict(applied.regions) if applied is not None else {},
+        plain_label=_plain_labels.get(target),
+    )
+    with _lock:
+        key = id(dispatcher)
+        _entries[key] = entry
+        if key not in _unsummarised:
+            _unsummarised.append(key)
+        pending = True
+    if _stats is not None:
+        _stats.name_regions(entry)
+    return entry
+
+
+def next_call(dispatcher: Any) -> None:
+    """An already planned module is called again: every block has planned; log the summary."""
+    try:
+        flush()
+    except Exception:
+        logger.debug("could not log the plan summary", exc_info=True)
+
+
+def entries() -> list[Entry]:
+    with _lock:
+        return list(_entries.values())
+
+
+def flush() -> None:
+    """Log the summary of the plans recorded since the last one (rank 0 only)."""
+    global pending
+    with _lock:
+        keys, _unsummarised[:] = list(_unsummarised), []
+        pending = False
+        batch = [_entries[k] for k in keys if k in _entries]
+    if not batch or rank() != 0:
+        return
+    from autoweave import _bootstrap, _log
+
+    woven = any(e.plan.woven for e in batch)
+    if woven and _bootstrap.settings().log_level is None:
+        _log.configure_default()
+    logger.log(SUMMARY if woven else logging.INFO, "%s", format_summary(batch))
+
+
+def reset() -> None:
+    """Forget recorded plans (tests)."""
+    global pending
+    with _lock:
+        _entries.clear()
+        _unsummarised.clear()
+        pending = False
+
+
+# -- the report: counting what compiled ---------------------------------------------------
+
+
+@dataclass
+class RegionStats:
+    label: str  # the compiled function's name (shared by identical blocks)
+    kind: str  # "woven" (a region of a woven plan) or "plain" (a plain compile autoweave routed)
+    modules: list[str] = field(default_factory=list)
+    capture: capture.Capture = field(default_factory=capture.Capture)
+    backend_s: float = 0.0
+    compile_s: float = 0.0
+    compiles: int = 0
+    recompiles: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "kind": self.kind,
+            "modules": self.modules,
+            "graphs": self.capture.graph_count,
+            "ops": self.capture.ops,
+            "compiles": self.compiles,
+            "recompiles": self.recompiles,
+            "compile_s": round(self.compile_s, 4),
+            "backend_s": round(self.backend_s, 4),
+        }
+
+
+class _Counting:
+    """A backend that counts each graph (``capture.Capture``) and times it, then compiles it."""
+
+    def __init__(self, stats: _Stats, region: RegionStats, inner: Any) -> None:
+        self._stats = stats
+        self._region = region
+        self._inner = inner
+        self._count = region.capture.backend(inner)
+        self.__name__ = str(getattr(inner, "compiler_name", None) or getattr(inner, "__name__", "backend"))
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        self._stats.note_region(self._region)
+        start = time.perf_counter()
+        try:
+            return self._count(gm, example_inputs)
+        finally:
+            self._region.backend_s += time.perf_counter() - start
+
+    def reset(self) -> None:
+        reset = getattr(self._inner, "reset", None)
+        if reset is not None:
+            reset()
+
+
+class _LimitFilter(logging.Filter):
+    """Records dynamo's recompile-limit warnings (any compile, autoweave's or not)."""
+
+    def __init__(self, stats: _Stats) -> None:
+        super().__init__()
+        self._stats = stats
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "hit config." in message:
+            lines = [line.strip() for line in message.splitlines()]
+            self._stats.limit_hits.append(" ".join(lines[:3]))
+        return True
+
+
+_COMPILE_ID = re.compile(r"(\d+)/(\d+)")
+
+
+class _Stats:
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.started = time.time()
+        self.regions: dict[str, RegionStats] = {}
+        self.limit_hits: list[str] = []
+        self.compile_s = 0.0
+        self.compiles = 0
+        self.recompiles = 0
+        self._open: list[tuple[float, list[RegionStats], bool]] = []
+        self._lock = threading.Lock()
+        self.fallbacks = capture.FallbackCounter()
+        self._filter = _LimitFilter(self)
+        self._callbacks: Any = None
+
+    def install(self) -> None:
+        from autoweave import _compat
+
+        self.fallbacks.install()
+        logging.getLogger("torch._dynamo.convert_frame").addFilter(self._filter)
+        self._callbacks = _compat.compile_callbacks()
+        if self._callbacks is not None:
+            self._callbacks.register_start_callback(self._on_start)
+            self._callbacks.register_end_callback(self._on_end)
+
+    def uninstall(self) -> None:
+        self.fallbacks.uninstall()
+        logging.getLogger("torch._dynamo.convert_frame").removeFilter(self._filter)
+        if self._callbacks is not None:
+            for remove, fn in (
+                (self._callbacks.remove_start_callback, self._on_start),
+                (self._callbacks.remove_end_callback, self._on_end),
+            ):
+                try:
+                    remove(fn)
+                except ValueError:
+                    pass
+
+    # dynamo's compile callbacks: time every compile, attribute it to the regions it built
+    def _on_start(self, args: Any = None, *_: Any) -> None:
+        trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
+        match = _COMPILE_ID.search(str(getattr(args, "compile_id", "")))
+        recompile = trigger == "DYNAMO" and match is not None and int(match.group(2)) > 0
+        with self._lock:
+            self._open.append((time.perf_counter(), [], recompile))
+            if trigger == "DYNAMO":
+                self.compiles += 1
+                self.recompiles += recompile
+
+    def _on_end(self, *_: Any) -> None:
+        with self._lock:
+            if not self._open:
+                return
+            start, regions, recompile = self._open.pop()
+        elapsed = time.perf_counter() - start
+        self.compile_s += elapsed
+        for region in regions:
+            region.compile_s += elapsed / len(regions)
+            region.compiles += 1
+            region.recompiles += recompile
+
+    def note_region(self, region: RegionStats) -> None:
+        with self._lock:
+            if self._open and region not in self._open[-1][1]:
+                self._open[-1][1].append(region)
+
+    def region(self, label: str, kind: str) -> RegionStats:
+        with self._lock:
+            if label not in self.regions:
+                self.regions[label] = RegionStats(label, kind)
+            return self.regions[label]
+
+    def name_regions(self, entry: Entry) -> None:
+        labels = dict(entry.regions)
+        if entry.plain_label is not None and not entry.plan.woven:
+            labels[""] = entry.plain_label
+        for path, label in labels.items():
+            region = self.regions.get(label)
+            if region is not None:
+                shown = _join(entry.shown, path)
+                if shown not in region.modules:
+                    region.modules.append(shown)
+
+    def snapshot(self) -> dict[str, Any]:
+        import torch
+
+        from autoweave import __version__, _bootstrap
+
+        try:
+            from torch._dynamo.utils import counters
+
+            stats = dict(counters.get("stats", {}))
+            breaks = Counter(dict(counters.get("graph_break", {})))
+        except Exception:  # pragma: no cover - private counters moved
+            stats, breaks = {}, Counter()
+        regions = [
+            r.as_dict()
+            for r in self.regions.values()
+            if r.kind != "plain"
+            or r.modules
+            or r.capture.graph_count  # a woven module's unused plain compile
+        ]
+        fallback_messages = Counter(m.strip().splitlines()[0] for m in self.fallbacks.messages if m.strip())
+        plans = []
+        for entry in entries():
+            plans.append(
+                {
+                    "name": entry.shown,
+                    "type": entry.type_name,
+                    "woven": entry.plan.woven,
+                    "mode": entry.plan.mode,
+                    "strategy": entry.plan.strategy,
+                    "summary": _head(entry.plan),
+                    "decisions": [
+                        {
+                            "path": _join(entry.name, d.path),
+                            "type": d.module_type,
+                            "action": d.action.value,
+                            "reason": d.reason,
+                            "region": entry.regions.get(d.path),
+                        }
+                        for d in entry.plan.decisions
+                    ],
+                    "region": None if entry.plan.woven else entry.plain_label,
+                }
+            )
+        return {
+            "autoweave": __version__,
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "rank": rank(),
+            "world_size": world_size(),
+            "wall_s": round(time.time() - self.started, 3),
+            "settings": _bootstrap.settings().as_dict(),
+            "plans": plans,
+            "regions": regions,
+            "totals": {
+                "modules": len(plans),
+                "woven": sum(1 for p in plans if p["woven"]),
+                "graphs": sum(r["graphs"] for r in regions),
+                "ops": sum(r["ops"] for r in regions),
+                "compile_s": round(sum(r["compile_s"] for r in regions), 4),
+                "backend_s": round(sum(r["backend_s"] for r in regions), 4),
+            },
+            "dynamo": {
+                "unique_graphs": int(stats.get("unique_graphs", 0)),
+                "calls_captured": int(stats.get("calls_captured", 0)),
+                "compiles": self.compiles,
+                "recompiles": self.recompiles,
+                "compile_s": round(self.compile_s, 4),
+                "graph_breaks": sum(breaks.values()),
+                "graph_break_reasons": dict(breaks.most_common()),
+                "recompile_limit_hits": list(self.limit_hits),
+            },
+            "ac_fallbacks": {
+                "count": self.fallbacks.count,
+                "messages": [{"message": m, "count": n} for m, n in fallback_messages.most_common()],
+            },
+        }
+
+
+_stats: _Stats | None = None
+_plain_labels: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_plain_count = 0
+
+
+def active() -> bool:
+    """Is a report being collected in this process?"""
+    return _stats is not None
+
+
+def start(path: str | None = None) -> None:
+    """Start collecting (``AUTOWEAVE_REPORT`` does this at patch time); ``path`` is written at exit."""
+    global _stats
+    with _lock:
+        if _stats is None:
+            _stats = _Stats(path)
+            _stats.install()
+        elif path is not None:
+            _stats.path = path
+
+
+def stop() -> dict[str, Any] | None:
+    """Stop collecting; returns the final snapshot (tests, and ``at_exit``)."""
+    global _stats
+    with _lock:
+        stats, _stats = _stats, None
+    if stats is None:
+        return None
+    data = stats.snapshot()
+    stats.uninstall()
+    return data
+
+
+def snapshot() -> dict[str, Any] | None:
+    return _stats.snapshot() if _stats is not None else None
+
+
+def instrument(kwargs: dict[str, Any], label: str, kind: str = "woven") -> dict[str, Any]:
+    """``torch.compile`` kwargs whose backend counts into region ``label``; unchanged when off.
+
+    The wrapper holds the very callable torch would build from ``backend``,
+    ``mode`` and ``options``, so compiling through it is compiling as asked.
+    """
+    stats = _stats
+    if stats is None:
+        return kwargs
+    options = kwargs.get("options")
+    if isinstance(options, dict) and options.get("use_aoti"):
+        return kwargs  # AOTInductor wrappers are not rebuilt here
+    from autoweave import _compat
+
+    try:
+        kept = dict(options) if isinstance(options, dict) else None
+        guard_filter_fn = kept.pop("guard_filter_fn", None) if kept else None
+        inner = _compat.compile_backend(
+            kwargs.get("backend", "inductor"),
+            kwargs.get("mode"),
+            kept,
+            kwargs.get("dynamic"),
+            kwargs.get("name"),
+        )
+    except Exception as exc:
+        logger.debug("report: not counting %s (%s)", label, exc)
+        return kwargs
+    out = {k: v for k, v in kwargs.items() if k not in ("backend", "mode", "options")}
+    out["backend"] = _Counting(stats, stats.region(label, kind), inner)
+    if guard_filter_fn is not None:
+        out["options"] = {"guard_filter_fn": guard_filter_fn}
+    return out
+
+
+def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Kwargs for the plain compile of ``module`` that autoweave routes (counted when reporting)."""
+    global _plain_count
+    if _stats is None:
+        return kwargs
+    with _lock:
+        _plain_count += 1
+        label = f"plain_{type(module).__name__}_{_plain_count}"
+    try:
+        _plain_labels[module] = label
+    except TypeError:
+        return kwargs
+    return instrument(kwargs, label, kind="plain")
+
+
+# -- at exit ------------------------------------------------------------------------------
+
+
+def report_path(template: str) -> str | None:
+    """Where this rank writes: ``{rank}`` filled in; without it only rank 0 writes."""
+    if "{rank}" not in template and rank() != 0:
+        return None
+    return template.format(rank=rank())
+
+
+def write(data: dict[str, Any], path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
+    """The one-screen summary rank 0 prints at exit."""
+    totals, dyn, fallbacks = data["totals"], data["dynamo"], data["ac_fallbacks"]
+    lines = [
+        f"autoweave report (rank {data['rank']} of {data['world_size']})" + (f" -> {path}" if path else "")
+    ]
+    lines.append(f"  modules planned: {totals['modules']}, woven: {totals['woven']}")
+    kinds = Counter(r["kind"] for r in data["regions"])
+    lines.append(
+        f"  regions: {kinds.get('woven', 0)} woven, {kinds.get('plain', 0)} plain; "
+        f"{totals['graphs']} graphs, {totals['ops']} ops captured, "
+        f"compile {totals['compile_s']:.1f} s (backend {totals['backend_s']:.1f} s)"
+    )
+    for region in sorted(data["regions"], key=lambda r: -r["compile_s"])[:4]:
+        where = fold_names(region["modules"]) if region["modules"] else "?"
+        lines.append(
+            f"    {where}: {region['graphs']} graphs, {region['ops']} ops, "
+            f"{region['recompiles']} recompiles, {region['compile_s']:.2f} s"
+        )
+    lines.append(
+        f"  dynamo (whole process): {dyn['unique_graphs']} graphs, {dyn['compiles']} compiles, "
+        f"{dyn['recompiles']} recompiles, {dyn['graph_breaks']} graph breaks, "
+        f"{len(dyn['recompile_limit_hits'])} recompile-limit hits, {dyn['compile_s']:.1f} s"
+    )
+    reasons: Counter[str] = Counter()
+    for reason, count in dyn["graph_break_reasons"].items():
+        reasons[reason.splitlines()[0][:100] if reason else "?"] += count
+    for reason, count in reasons.most_common(3):
+        lines.append(f"    break x{count}: {reason}")
+    for hit in dyn["recompile_limit_hits"][:2]:
+        lines.append(f"    limit: {hit[:100]}")
+    if fallbacks["count"]:
+        lines.append(
+            f"  WARNING: {fallbacks['count']} checkpointed region(s) fell back to eager "
+            "(forward and recompute ran uncompiled)"
+        )
+        for item in fallbacks["messages"][:2]:
+            lines.append(f"    x{item['count']}: {item['message'][:100]}")
+        if not totals["woven"]:
+            lines.append(
+                "    these compiles were not woven: with AUTOWEAVE=1 (and outside autoweave.disabled()) "
+                "autoweave compiles around the boundaries"
+            )
+    else:
+        lines.append("  checkpointed regions that fell back to eager: 0")
+    return "\n".join(lines)
+
+
+def at_exit() -> None:
+    """Log any pending plan summary; write the report and print its summary (rank 0)."""
+    try:
+        if pending:
+            flush()
+        stats = _stats
+        if stats is None or stats.path is None:
+            return
+        data = stop()
+        if data is None:
+            return
+        path = report_path(stats.path)
+        if path is not None:
+            write(data, path)
+        if rank() == 0:
+            sys.stderr.write(format_exit_summary(data, path) + "\n")
+            sys.stderr.flush()
+    except Exception as exc:  # never turn a clean exit into a traceback
+        try:
+            sys.stderr.write(f"autoweave: could not write the report: {type(exc).__name__}: {exc}\n")
+        except Exception:
+            pass
+
+
+_registered = False
+
+
+def install(settings: Any) -> None:
+    """Called once when the patches load: exit hook, and the report when asked for."""
+    global _registered
+    if settings.report:
+        start(settings.report)
+    if not _registered:
+        _registered = True
+        atexit.register(at_exit)

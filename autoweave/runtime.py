@@ -18,9 +18,9 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _bootstrap, capture, planner, weave
+from autoweave import _bootstrap, capture, planner, report, weave
 from autoweave._failopen import guard
-from autoweave._log import logger, rank
+from autoweave._log import logger
 
 _off: contextvars.ContextVar[bool] = contextvars.ContextVar("autoweave_off", default=False)
 MODE_ATTR = "_autoweave_mode"
@@ -53,7 +53,7 @@ def route_compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
         # Functions, and the decorator form (model=None), which re-enters
         # torch.compile with the function it decorates.
         return wrapped(*args, **kwargs)
-    compiled = wrapped(*args, **kwargs)
+    compiled = wrapped(*args, **report.plain_kwargs(model, kwargs))
     with guard(f"preparing the weave for {type(model).__name__}") as failed:
         _Dispatcher.attach_to_optimized(compiled, _compile_kwargs(args[1:], kwargs))
     if failed:
@@ -169,7 +169,7 @@ class _Dispatcher:
 
         def plain() -> Callable[..., Any]:
             # Exactly what nn.Module.compile does.
-            return compile_fn(module._call_impl, **compile_kwargs)
+            return compile_fn(module._call_impl, **report.plain_kwargs(module, compile_kwargs))
 
         dispatcher = cls(module, compile_kwargs, plain, module._call_impl)
         module._compiled_call_impl = dispatcher
@@ -182,6 +182,8 @@ class _Dispatcher:
             self._apply_pending()
         if self._fingerprint is None or _fingerprint(self.target) != self._fingerprint:
             self._decide()
+        elif report.pending:
+            report.next_call(self)  # every block has planned: log the one summary
         if self._applied is not None:
             return self._eager(*args, **kwargs)
         if self._plain is None:
@@ -228,17 +230,13 @@ class _Dispatcher:
 
     def _apply(self, plan: planner.Plan) -> None:
         self.plan = plan
-        if not plan.woven:
-            logger.debug("%s", plan.summary())
-            return
-        _install_recompile_filter()
-        self._applied = weave.apply_plan(
-            planner.unwrap(self.target), plan, _original("compile"), self.compile_kwargs
-        )
-        if rank() == 0:
-            from autoweave import report
-
-            report.log_plan(plan)
+        if plan.woven:
+            _install_recompile_filter()
+            self._applied = weave.apply_plan(
+                planner.unwrap(self.target), plan, _original("compile"), self.compile_kwargs
+            )
+        logger.debug("%s", plan.summary())
+        report.record_plan(self, plan)
 
     def _on_hidden_fallback(self, hits: list[str]) -> None:
         with self._lock, guard(f"re-planning {type(self.target).__name__}"):
@@ -292,6 +290,10 @@ def set_mode(module: nn.Module, mode: str | None = None, *, strategy: str | None
             object.__setattr__(obj, STRATEGY_ATTR, strategy)
     return module
 
+
+# The plan summary at exit (when no second step logged it) and, with
+# AUTOWEAVE_REPORT, the report: this module loads when the patches do.
+report.install(_bootstrap.settings())
 
 __all__ = [
     "disabled",

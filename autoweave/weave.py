@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _compat
+from autoweave import _compat, report
 from autoweave.boundaries import PRIOR
 from autoweave.planner import Action, CheckpointSpec, Plan
 
@@ -175,13 +175,15 @@ def _region_forward(
     if own is not _MISSING and own is not None:
         call = own if decision.checkpoint is None else _with_checkpoint(own, decision.checkpoint)
         label = _label(decision.path, module)
-        return compile_fn(_private_region(call, label), **kwargs), label
+        return compile_fn(_private_region(call, label), **report.instrument(kwargs, label)), label
     key = _region_key(module, decision, kwargs)
     if key not in _shared:
         label = _label(decision.path, module)
         checkpoint_fn = None if decision.checkpoint is None else decision.checkpoint.checkpoint_fn
         _shared[key] = (
-            compile_fn(_shared_region(type(module).forward, checkpoint_fn, label), **kwargs),
+            compile_fn(
+                _shared_region(type(module).forward, checkpoint_fn, label), **report.instrument(kwargs, label)
+            ),
             label,
         )
     compiled, label = _shared[key]

@@ -4,7 +4,8 @@ train a few steps, and measure what compiled. One torchrun worker for the tests 
     python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/moe_variants.py \\
         --variants compile_ac:on,compile_ac:off --steps 3 --out results.json
 
-A variant is ``ORDER:AUTOWEAVE`` (``on``/``off``); ``--ac`` picks full or selective AC.
+A variant is ``ORDER:AUTOWEAVE[:STRATEGY]`` (``on``/``off``; ``hoist``, ``push-down``, ``siblings``);
+``--ac`` picks full or selective AC.
 Rank 0 writes one JSON record per variant. ``--warmup`` compiles a throw-away function
 first, so the first compiled variant does not pay the process's one-time compiler start-up.
 """
@@ -55,13 +56,24 @@ def _ckpt_wrapper() -> Callable[..., nn.Module]:
     return cw.checkpoint_wrapper
 
 
+# (op, decision) pairs the selective policy was asked about during a variant: eager SAC
+# asks at every forward and recompute, a compiled region while it is traced.
+POLICY_SEEN: set[tuple[str, str]] = set()
+
+
+def _recording_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    decision = tm._selective_policy(ctx, op, *args, **kwargs)
+    POLICY_SEEN.add((str(op), decision.name))
+    return decision
+
+
 def _ac_kwargs(ac: str) -> dict[str, Any]:
     if ac == "selective":
         import functools
 
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-        return {"context_fn": functools.partial(create_selective_checkpoint_contexts, tm._selective_policy)}
+        return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _recording_policy)}
     return {}
 
 
@@ -204,8 +216,33 @@ def _clean_name(name: str) -> str:
     return name
 
 
-def run_variant(order: str, weave_on: bool, ac: str, steps: int, args: Any, inner_backend: str, timing_steps: int) -> dict[str, Any]:
+def run_variant(
+    order: str,
+    weave_on: bool,
+    ac: str,
+    steps: int,
+    args: Any,
+    inner_backend: str,
+    timing_steps: int,
+    strategy: str | None = None,
+) -> dict[str, Any]:
+    from autoweave import _bootstrap
+    from autoweave._settings import Settings
+
+    saved_settings = _bootstrap.settings()
+    if strategy:
+        _bootstrap.reload_settings(Settings(enabled=True, strategy=strategy))
+    try:
+        record = _run_variant(order, weave_on, ac, steps, args, inner_backend, timing_steps)
+    finally:
+        _bootstrap.reload_settings(saved_settings)
+    record["strategy"] = strategy or "auto"
+    return record
+
+
+def _run_variant(order: str, weave_on: bool, ac: str, steps: int, args: Any, inner_backend: str, timing_steps: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
+    POLICY_SEEN.clear()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     expert_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep_fsdp",))
     torch._dynamo.reset()
@@ -265,6 +302,7 @@ def run_variant(order: str, weave_on: bool, ac: str, steps: int, args: Any, inne
             "step_s": statistics.median(step_times) if step_times else None,
             "peak_rss_mb": peak,
             "peak_rss_scope": rss_scope,
+            "policy": sorted(POLICY_SEEN),
         }
     finally:
         fallbacks.uninstall()
@@ -318,11 +356,22 @@ def main(argv: list[str] | None = None) -> None:
     args = tm.ModelArgs(n_layers=a.layers, dim=a.dim, vocab_size=128, seq_len=16, moe_inter_dim=16, inter_dim=64)
     records = []
     for item in a.variants.split(","):
-        order, _, state = item.partition(":")
+        order, _, rest = item.partition(":")
+        state, _, strategy = rest.partition(":")
         try:
-            records.append(run_variant(order, state != "off", a.ac, a.steps, args, a.backend, a.timing_steps))
+            records.append(
+                run_variant(order, state != "off", a.ac, a.steps, args, a.backend, a.timing_steps, strategy or None)
+            )
         except Exception as exc:  # plain torch raises for some orders (fullgraph): record it
-            records.append({"order": order, "autoweave": state != "off", "ac": a.ac, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            records.append(
+                {
+                    "order": order,
+                    "autoweave": state != "off",
+                    "ac": a.ac,
+                    "strategy": strategy or "auto",
+                    "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                }
+            )
         dist.barrier()
     if dist.get_rank() == 0:
         Path(a.out).write_text(json.dumps(records, indent=1))

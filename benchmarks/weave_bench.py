@@ -54,6 +54,13 @@ VARIANTS: tuple[tuple[str, str], ...] = (
     ("upper_bound:off", "upper bound (experts in the block's FSDP unit)"),
 )
 
+# --strategies: autoweave with each AC placement forced (the strategy issue).
+STRATEGY_VARIANTS: tuple[tuple[str, str], ...] = (
+    ("compile_ac:on:hoist", "autoweave, hoist (eager AC around a split compile)"),
+    ("compile_ac:on:push-down", "autoweave, push-down (AC inside each compiled region)"),
+    ("compile_ac:on:siblings", "autoweave, siblings (eager AC around compiled children)"),
+)
+
 # (JSON key, Markdown header): every row of the JSON has each key.
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("variant", "variant"),
@@ -67,6 +74,8 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("step_ratio", "step ÷ autoweave"),
     ("peak_rss_mb", "peak RSS MB"),
     ("max_rel_loss_diff", "max rel loss diff"),
+    ("policy_saved", "SAC: ops saved"),
+    ("policy_out_ops", "SAC: .out ops seen"),
 )
 COLUMN_KEYS = tuple(key for key, _ in COLUMNS)
 
@@ -90,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write every column per variant, plus run metadata")
     p.add_argument("--png", type=Path, default=None, help="write a chart (needs matplotlib)")
     p.add_argument("--markdown", type=Path, default=None, help="write the Markdown table (also printed)")
+    p.add_argument("--strategies", action="store_true", help="also run autoweave with each AC strategy forced")
     p.add_argument("--quick", action="store_true", help="tiny model, aot_eager, 1 repeat, few steps (a smoke test)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per torchrun call")
     a = p.parse_args(argv)
@@ -154,6 +164,8 @@ def run_repeat(order: list[str], a: argparse.Namespace, index: int) -> tuple[dic
             try:
                 for rec in json.loads(out.read_text()):
                     key = REFERENCE if rec["order"] == REFERENCE else f"{rec['order']}:{'on' if rec['autoweave'] else 'off'}"
+                    if rec.get("strategy", "auto") != "auto":
+                        key += f":{rec['strategy']}"
                     records[key] = rec
             except (ValueError, KeyError, TypeError) as exc:
                 problem = (problem + "; " if problem else "") + f"unreadable worker output ({exc})"
@@ -198,7 +210,7 @@ def aggregate(runs: list[dict[str, dict[str, Any]]], variants: list[str]) -> lis
         errors = [f"repeat {i + 1}: {r['error']}" for i, r in enumerate(recs) if "error" in r]
         row: dict[str, Any] = dict.fromkeys(COLUMN_KEYS)
         row["variant"] = variant
-        row["label"] = dict(VARIANTS).get(variant, variant)
+        row["label"] = dict(VARIANTS + STRATEGY_VARIANTS).get(variant, variant)
         row["error"] = None if ok else (recs[0]["error"] if recs else "not run")
         row["repeat_errors"] = errors
         row["repeats_ok"] = len(ok)
@@ -219,6 +231,12 @@ def aggregate(runs: list[dict[str, dict[str, Any]]], variants: list[str]) -> lis
             diffs = [d for d in diffs if d is not None]
             row["max_rel_loss_diff"] = max(diffs) if diffs else None
             row["losses"] = first.get("losses")
+            # What a selective policy was asked: ops it saved, and inductor's extern `.out`
+            # calls, which mean it decided on kernels instead of the ops it was written for.
+            policy = first.get("policy") or []
+            if policy:
+                row["policy_saved"] = sorted({op for op, d in policy if d.startswith("MUST_SAVE")})
+                row["policy_out_ops"] = sorted({op for op, _ in policy if op.endswith(".out")})
         row["repeats"] = {
             key: [r.get(key) if "error" not in r else None for r in recs]
             for key in ("first_step_s", "step_s", "peak_rss_mb")
@@ -255,6 +273,8 @@ def _fmt(value: Any, key: str) -> str:
         return f"{value:.0f}"
     if key == "max_rel_loss_diff":
         return "0" if value == 0 else f"{value:.1e}"
+    if key in ("policy_saved", "policy_out_ops"):
+        return ", ".join(op.removeprefix("aten.") for op in value) or "none"
     if isinstance(value, float) and math.isnan(value):
         return "nan"
     return str(value)
@@ -357,6 +377,8 @@ def _torch_version() -> str:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     variants = [v for v, _ in VARIANTS]
+    if a.strategies:
+        variants += [v for v, _ in STRATEGY_VARIANTS]
     aw_env = {k: v for k, v in os.environ.items() if k.startswith("AUTOWEAVE")}
     if aw_env:
         log(f"note: running with {aw_env} set; they apply to the autoweave variant")

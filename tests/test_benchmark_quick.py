@@ -16,8 +16,12 @@ BENCH = ROOT / "benchmarks" / "weave_bench.py"
 COLUMNS = (
     "variant", "ops", "graphs", "graph_breaks", "fallbacks", "eager_gemms",
     "first_step_s", "step_s", "step_ratio", "peak_rss_mb", "max_rel_loss_diff",
+    "policy_saved", "policy_out_ops",
 )  # fmt: skip
-VARIANTS = ("eager", "compile_ac:off", "hand_siblings:off", "hand_ac_compile:off", "compile_ac:on", "upper_bound:off")
+VARIANTS = (
+    "eager", "compile_ac:off", "hand_siblings:off", "hand_ac_compile:off", "compile_ac:on", "upper_bound:off",
+    "compile_ac:on:hoist", "compile_ac:on:push-down", "compile_ac:on:siblings",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +30,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Complete
     out_json, out_png = tmp / "bench.json", tmp / "bench.png"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOWEAVE")}
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--json", str(out_json), "--png", str(out_png)],
+        [sys.executable, str(BENCH), "--quick", "--ac", "selective", "--strategies", "--json", str(out_json), "--png", str(out_png)],
         env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     return proc, out_json, out_png
@@ -53,6 +57,10 @@ def test_quick_benchmark_json(quick: tuple[subprocess.CompletedProcess, Path, Pa
     assert weave["max_rel_loss_diff"] < 1e-5
     assert weave["eager_gemms"] < fallback["eager_gemms"]
     assert "| autoweave `compile_ac:on` |" in proc.stdout  # the Markdown table went to stdout
+    # Selective AC: the policy decided on the GEMMs inside autoweave's compiled regions.
+    assert "aten.mm.default" in weave["policy_saved"] and weave["policy_out_ops"] == []
+    for strategy in ("hoist", "push-down", "siblings"):
+        assert rows[f"compile_ac:on:{strategy}"]["fallbacks"] == 0
 
 
 @pytest.mark.slow

@@ -23,18 +23,25 @@ COPING_ORDERS = ("ac_compile",)  # plain torch already copes: autoweave must not
 HAND = ("hand_siblings", "hand_ac_compile", "upper_bound")
 
 
-def _run(tmp: Path, ac: str, variants: list[str]) -> dict[tuple[str, bool], dict]:
+def _run(tmp: Path, ac: str, variants: list[str], *extra: str) -> dict[tuple[str, bool], dict]:
     out = tmp / f"{ac}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOWEAVE")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        str(WORKER), "--ac", ac, "--steps", "3", "--variants", ",".join(variants), "--out", str(out),
+        str(WORKER), "--ac", ac, "--steps", "3", "--variants", ",".join(variants), "--out", str(out), *extra,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     records = json.loads(out.read_text())
-    return {(r["order"], r["autoweave"]): r for r in records}
+    # Keyed by (order, autoweave); variants that force a strategy get their own keys too.
+    out_map: dict = {}
+    for r in records:
+        key = (r["order"], r["autoweave"])
+        if r.get("strategy", "auto") != "auto":
+            key = (r["order"], r["autoweave"], r["strategy"])
+        out_map[key] = r
+    return out_map
 
 
 @pytest.fixture(scope="module")

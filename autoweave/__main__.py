@@ -1,0 +1,68 @@
+"""``python -m autoweave doctor`` and ``python -m autoweave explain MODULE:FACTORY``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m autoweave", description="autoweave commands")
+    sub = parser.add_subparsers(dest="command", required=True)
+    doctor = sub.add_parser("doctor", help="would AUTOWEAVE=1 activate autoweave here, and if not, why")
+    doctor.add_argument("--no-live", action="store_true", help="skip the check in a fresh subprocess")
+    explain = sub.add_parser("explain", help="print the plan for a model built on the meta device")
+    explain.add_argument(
+        "factory",
+        metavar="MODULE:FACTORY",
+        help="a module name or .py path, and a zero-argument factory or an expression, "
+        "e.g. examples/train_moe.py:'Transformer(ModelArgs())'",
+    )
+    explain.add_argument(
+        "--ac", choices=("full", "selective", "none"), default="full", help="simulated AC per block"
+    )
+    explain.add_argument(
+        "--shard",
+        default="experts",
+        help="comma list of submodule names treated as FSDP units (default: experts)",
+    )
+    explain.add_argument(
+        "--recipe", metavar="MODULE:FUNCTION", help="apply your own AC / FSDP marking instead"
+    )
+    explain.add_argument("--mode", choices=("auto", "always", "off"), default=None)
+    explain.add_argument("--strategy", choices=("auto", "hoist", "push-down", "siblings"), default=None)
+    explain.add_argument("--fullgraph", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "doctor":
+        from autoweave import doctor
+
+        return doctor.main(live=not args.no_live)
+    from autoweave import _bootstrap
+    from autoweave import explainer as explain_mod
+
+    settings = _bootstrap.settings()
+    try:
+        factory = explain_mod.load_object(args.factory)
+        recipe = explain_mod.load_object(args.recipe) if args.recipe else None
+        text = explain_mod.explain(
+            factory,
+            ac=args.ac,
+            shard=tuple(s.strip() for s in args.shard.split(",") if s.strip()),
+            recipe=recipe,
+            mode=args.mode or settings.mode,
+            strategy=args.strategy or settings.strategy,
+            fullgraph=args.fullgraph,
+        )
+    except Exception as exc:
+        sys.stderr.write(f"autoweave explain: {type(exc).__name__}: {exc}\n")
+        return 2
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,334 @@
+"""``autoweave doctor``: would ``AUTOWEAVE=1`` activate autoweave in this interpreter, and if not, why.
+
+Standard library only until the live check, which runs in a fresh subprocess.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import site
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from autoweave import _settings
+
+START_UP_FILES = ("autoweave.pth", "autoweave.start")
+OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
+
+_LIVE_CHECK = (
+    "import json, sys\n"
+    "out = {'executable': sys.executable}\n"
+    "try:\n"
+    "    import torch, autoweave, autoweave.patches as p\n"
+    "    out.update(patched=isinstance(torch.compile, p.AutoweaveWrapper), applied=p.applied(),\n"
+    "               autoweave=autoweave.__file__, torch=torch.__version__)\n"
+    "except Exception as exc:\n"
+    "    out.update(patched=False, error=f'{type(exc).__name__}: {exc}')\n"
+    "print('AUTOWEAVE-DOCTOR ' + json.dumps(out))\n"
+)
+
+
+@dataclass
+class Check:
+    status: str  # ok / warn / FAIL / info
+    title: str
+    detail: str = ""
+    fix: str = ""
+
+
+def _version(dist: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:
+        return None
+
+
+def _tuple(raw: str) -> tuple[int, ...]:
+    out = []
+    for part in raw.split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def check_versions() -> list[Check]:
+    checks = []
+    py = sys.version_info
+    checks.append(
+        Check(OK, f"Python {py.major}.{py.minor}.{py.micro}", "supported: 3.10+")
+        if py >= (3, 10)
+        else Check(
+            FAIL, f"Python {py.major}.{py.minor}", "autoweave needs Python 3.10+", "use Python 3.10 or newer"
+        )
+    )
+    from autoweave import _compat
+
+    low, high = _compat.SUPPORTED_TORCH
+    supported = f"supported: {low[0]}.{low[1]} to {high[0]}.{high[1]}"
+    torch_version = _version("torch")
+    if torch_version is None:
+        checks.append(Check(FAIL, "torch is not installed", supported, "pip install 'torch>=2.11,<2.15'"))
+    else:
+        try:
+            _compat.check_torch_version(torch_version)
+            checks.append(Check(OK, f"torch {torch_version}", supported))
+        except _compat.UnsupportedTorch:
+            checks.append(
+                Check(
+                    FAIL,
+                    f"torch {torch_version}",
+                    f"{supported}; autoweave stays off",
+                    "install a supported torch",
+                )
+            )
+    wrapt_version = _version("wrapt")
+    if wrapt_version is None:
+        checks.append(
+            Check(
+                FAIL, "wrapt is not installed", "needed to patch torch", "pip install 'wrapt>=1.14,!=2.2.0'"
+            )
+        )
+    elif _tuple(wrapt_version) < (1, 14) or _tuple(wrapt_version) == (2, 2, 0):
+        checks.append(
+            Check(
+                FAIL,
+                f"wrapt {wrapt_version}",
+                "supported: >=1.14, not 2.2.0",
+                "pip install 'wrapt>=1.14,!=2.2.0'",
+            )
+        )
+    else:
+        checks.append(Check(OK, f"wrapt {wrapt_version}", "supported: >=1.14, not 2.2.0"))
+    return checks
+
+
+def site_dirs() -> list[tuple[str, str]]:
+    """(directory, kind) for every directory whose .pth files Python reads at start-up."""
+    dirs = [(d, "site-packages") for d in site.getsitepackages()]
+    user = site.getusersitepackages()
+    if user:
+        dirs.append((user, "user site-packages"))
+    return dirs
+
+
+def _hidden(path: str) -> bool:
+    if os.path.basename(path).startswith("."):
+        return True
+    flags = getattr(os.stat(path), "st_flags", 0)
+    return bool(flags & getattr(stat, "UF_HIDDEN", 0))
+
+
+def check_start_up_file() -> tuple[list[Check], bool]:
+    """Is the start-up file where Python reads it? Returns the checks and whether one is usable."""
+    checks = []
+    found = []
+    for directory, kind in site_dirs():
+        for name in START_UP_FILES:
+            path = os.path.join(directory, name)
+            if os.path.isfile(path):
+                found.append((path, kind))
+    usable = False
+    if sys.flags.no_site:
+        checks.append(
+            Check(
+                FAIL,
+                "Python runs with -S (no site module)",
+                "start-up files in site-packages are never read",
+                "drop -S, or run with PYTHONPATH=<checkout>/sitecustomize",
+            )
+        )
+    for path, kind in found:
+        if path.endswith(".start") and sys.version_info < (3, 15):
+            checks.append(Check(INFO, f"{path}", "for Python 3.15+ (this Python reads autoweave.pth)"))
+            continue
+        if _hidden(path):
+            checks.append(
+                Check(
+                    FAIL,
+                    f"start-up file is hidden: {path}",
+                    "Python skips hidden .pth files",
+                    f"clear the hidden flag (chflags nohidden {path})",
+                )
+            )
+            continue
+        if kind == "user site-packages" and (sys.flags.no_user_site or not site.ENABLE_USER_SITE):
+            checks.append(
+                Check(
+                    FAIL,
+                    f"start-up file in the user site, which is off: {path}",
+                    "PYTHONNOUSERSITE or -s disables it",
+                    "unset PYTHONNOUSERSITE / drop -s, or pip install autoweave into the environment",
+                )
+            )
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if "autoweave" not in text:
+            checks.append(
+                Check(
+                    FAIL,
+                    f"start-up file is not autoweave's: {path}",
+                    "",
+                    "pip install --force-reinstall autoweave",
+                )
+            )
+            continue
+        usable = not sys.flags.no_site
+        checks.append(Check(OK if usable else WARN, f"start-up file: {path}", f"in {kind}; read at start-up"))
+    if not found:
+        checks.append(
+            Check(
+                WARN,
+                "no start-up file (autoweave.pth) in any site-packages of this Python",
+                "searched: " + ", ".join(d for d, _ in site_dirs()),
+                "pip install autoweave into this environment, "
+                "or run with PYTHONPATH=<checkout>/sitecustomize, or use `autoweave-run <command>`",
+            )
+        )
+    return checks, usable
+
+
+def check_sitecustomize() -> tuple[Check, bool]:
+    """Which ``sitecustomize`` wins; returns whether it is autoweave's start-up shell."""
+    try:
+        spec = importlib.util.find_spec("sitecustomize")
+    except Exception as exc:  # a broken sitecustomize on the path
+        return Check(WARN, "sitecustomize cannot be located", repr(exc)), False
+    if spec is None or not spec.origin:
+        return Check(INFO, "sitecustomize: none on sys.path"), False
+    origin = spec.origin
+    try:
+        with open(origin, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        ours = "autoweave" in text and "_chain_shadowed" in text
+    except OSError:
+        ours = False
+    if ours:
+        return Check(
+            OK, f"sitecustomize: autoweave's start-up shell {origin}", "it chains the one it shadows"
+        ), True
+    return Check(
+        INFO, f"sitecustomize: {origin}", "not autoweave's; the start-up file does not need it"
+    ), False
+
+
+def check_settings(environ: dict[str, str] | None = None) -> list[Check]:
+    env = dict(os.environ) if environ is None else environ
+    settings = _settings.Settings.from_environ(env)
+    checks = []
+    raw = env.get(_settings.AUTOWEAVE)
+    shown = ", ".join(
+        f"{k}={v!r}"
+        for k, v in settings.as_dict().items()
+        if k not in ("problems",) and v not in (None, [], False)
+    )
+    if settings.enabled:
+        checks.append(Check(OK, f"settings: on ({shown})"))
+    elif env.get(_settings.AUTOWEAVE_DISABLE, "").strip().lower() in _settings.TRUE_VALUES:
+        checks.append(
+            Check(
+                FAIL,
+                f"{_settings.AUTOWEAVE_DISABLE} is set: autoweave is hard off",
+                "",
+                f"unset {_settings.AUTOWEAVE_DISABLE}",
+            )
+        )
+    else:
+        how = "not set" if raw is None else f"{raw!r}"
+        checks.append(
+            Check(
+                INFO, f"settings: {_settings.AUTOWEAVE} is {how}: off in this shell", f"{shown or 'defaults'}"
+            )
+        )
+    for problem in settings.problems:
+        checks.append(Check(WARN, "invalid setting", problem, "fix the value (see README, Switches)"))
+    return checks
+
+
+def live_check(timeout: float = 180.0) -> Check:
+    """Start a fresh interpreter with ``AUTOWEAVE=1``: is torch.compile patched there?"""
+    env = {**os.environ, _settings.AUTOWEAVE: "1"}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _LIVE_CHECK],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=os.path.expanduser("~") if os.path.isdir(os.path.expanduser("~")) else None,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check(FAIL, "live check could not run", repr(exc), "run `python -c 'import torch'` to see why")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("AUTOWEAVE-DOCTOR ")]
+    if not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return Check(
+            FAIL, "live check: the fresh interpreter failed", " | ".join(tail), "see the error above"
+        )
+    result = json.loads(lines[-1].split(" ", 1)[1])
+    if result.get("patched"):
+        return Check(
+            OK,
+            "live check: a fresh python with AUTOWEAVE=1 has torch.compile patched",
+            f"patches {', '.join(result.get('applied', []))}; autoweave from {result.get('autoweave')}",
+        )
+    why = result.get("error") or "torch.compile is not autoweave's wrapper"
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("autoweave:")]
+    return Check(
+        FAIL,
+        "live check: a fresh python with AUTOWEAVE=1 is NOT patched",
+        "; ".join([why, *warnings[:3]]),
+        "install autoweave's start-up file (pip install autoweave), "
+        "or run with PYTHONPATH=<checkout>/sitecustomize",
+    )
+
+
+def run(*, live: bool = True) -> tuple[list[Check], bool]:
+    """All checks, and whether activation would work."""
+    checks = check_versions()
+    start_up, usable = check_start_up_file()
+    checks += start_up
+    shell, shell_ours = check_sitecustomize()
+    if shell_ours:
+        for check in start_up:
+            if check.title.startswith("no start-up file"):
+                check.status, check.fix = INFO, ""
+                check.detail += "; autoweave's sitecustomize shell starts it instead"
+    checks.append(shell)
+    checks += check_settings()
+    if live:
+        checks.append(live_check())
+    failed = any(c.status == FAIL for c in checks)
+    if not live and not (usable or shell_ours):
+        failed = True
+    return checks, not failed
+
+
+def format_checks(checks: list[Check], works: bool) -> str:
+    lines = [f"autoweave doctor ({sys.executable})"]
+    for check in checks:
+        lines.append(f"  {check.status:<5} {check.title}")
+        if check.detail:
+            lines.append(f"        {check.detail}")
+        if check.fix and check.status in (FAIL, WARN):
+            lines.append(f"        fix: {check.fix}")
+    if works:
+        lines.append("result: AUTOWEAVE=1 activates autoweave in this Python")
+    else:
+        fixes = [c.fix for c in checks if c.status == FAIL and c.fix]
+        lines.append(
+            "result: AUTOWEAVE=1 would NOT activate autoweave here" + (f"; {fixes[0]}" if fixes else "")
+        )
+    return "\n".join(lines)
+
+
+def main(live: bool = True) -> int:
+    checks, works = run(live=live)
+    sys.stdout.write(format_checks(checks, works) + "\n")
+    return 0 if works else 1

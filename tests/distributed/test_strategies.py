@@ -1,0 +1,80 @@
+"""AC placement per woven block (hoist / push-down / siblings) on real gloo FSDP2, full and selective AC.
+
+Selective-AC policy checks run with inductor: with aot_eager a policy sees `.default` ops even
+around compiled code, so only inductor shows whether the policy still decides on the ops it was
+written for (FACTS: an eager SAC wrapper around inductor code sees only extern `.out` kernels).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.test_weave_fsdp import _assert_matches_eager, _run
+
+STRATEGIES = ("hoist", "push-down", "siblings")
+# Ops a woven block's own forward (glue, run eager) and FSDP's hooks show to an eager SAC
+# policy but no compiled region does: the MoE combine's zeros/scatter, and FSDP's all-gather.
+GLUE = {"aten.zeros.default", "aten.scatter.src", "aten.as_strided.default", "aten.empty.memory_format"}
+HOOK_PREFIXES = ("c10d.", "fsdp.", "profiler.")
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    variants = ["eager", "upper_bound:off", "hand_siblings:off"] + [f"compile_ac:on:{s}" for s in STRATEGIES]
+    return _run(tmp_path_factory.mktemp("strat_full"), "full", variants)
+
+
+@pytest.fixture(scope="module")
+def selective(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    variants = ["eager", "hand_siblings:off"] + [f"compile_ac:on:{s}" for s in STRATEGIES]
+    return _run(tmp_path_factory.mktemp("strat_sac"), "selective", variants)
+
+
+@pytest.fixture(scope="module")
+def selective_inductor(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    variants = ["eager", "compile_ac:on", "hand_siblings:off"]
+    return _run(tmp_path_factory.mktemp("strat_ind"), "selective", variants, "--backend", "inductor", "--layers", "2", "--steps", "2")
+
+
+def _record(results: dict, order: str, strategy: str) -> dict:
+    return results[(order, True, strategy)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_full_ac_each_strategy(full: dict, strategy: str) -> None:
+    rec = _record(full, "compile_ac", strategy)
+    _assert_matches_eager(rec, full[("eager", True)])
+    assert rec["fallbacks"] == 0
+    assert rec["eager_gemms"] <= full[("hand_siblings", False)]["eager_gemms"]
+    if strategy == "hoist":
+        # Hoist captures the glue too: as few eager GEMMs as the model with no nested FSDP unit.
+        assert rec["eager_gemms"] == full[("upper_bound", False)]["eager_gemms"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_selective_ac_each_strategy(selective: dict, strategy: str) -> None:
+    rec = _record(selective, "compile_ac", strategy)
+    _assert_matches_eager(rec, selective[("eager", True)])
+    assert rec["fallbacks"] == 0
+    assert rec["eager_gemms"] <= selective[("hand_siblings", False)]["eager_gemms"]
+
+
+@pytest.mark.slow
+def test_selective_policy_decides_the_same_ops_as_eager_sac_with_inductor(selective_inductor: dict) -> None:
+    eager = {tuple(p) for p in selective_inductor[("eager", True)]["policy"]}
+    woven = selective_inductor[("compile_ac", True)]
+    assert woven["strategy"] == "auto" and woven["fallbacks"] == 0
+    _assert_matches_eager(woven, selective_inductor[("eager", True)])
+    seen = {tuple(p) for p in woven["policy"]}
+    # The policy sees the ops it was written for, inside every compiled region ...
+    assert ("aten.mm.default", "MUST_SAVE") in seen and ("aten.bmm.default", "MUST_SAVE") in seen
+    assert not any(op.endswith(".out") for op, _ in seen), sorted(seen)
+    # ... with the same decisions eager SAC made, and nothing is missing but the eager glue and FSDP's hooks.
+    assert seen <= eager, sorted(seen - eager)
+    missing = {op for op, _ in eager - seen}
+    assert missing <= GLUE | {op for op in missing if op.startswith(HOOK_PREFIXES)}, sorted(missing)
+    # The hand-written sibling weave (eager SAC around inductor code) hands the policy kernels instead.
+    hand = {tuple(p) for p in selective_inductor[("hand_siblings", False)]["policy"]}
+    assert any(op.endswith(".out") for op, _ in hand)

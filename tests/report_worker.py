@@ -1,0 +1,66 @@
+"""torchrun worker for tests/test_report.py: the example MoE under real gloo FSDP2, 2 steps.
+
+``python -m torch.distributed.run --standalone --nproc_per_node=2 tests/report_worker.py OUT {on,off}``
+compiles each block with a counting backend (``capture.Capture``), autoweave on or
+(``off``) with every compile made inside ``autoweave.disabled()``; the report
+itself comes from ``AUTOWEAVE_REPORT`` in the environment. Rank r writes
+``OUT/capture{r}.json`` with the counting backend's numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+import autoweave  # noqa: E402
+from autoweave import capture  # noqa: E402
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("train_moe", ROOT / "examples" / "train_moe.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_moe"] = module  # before exec: dynamo and dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    out, weave = Path(sys.argv[1]), sys.argv[2] == "on"
+    assert autoweave.enable()
+    ex = _example()
+    rank, world, device = ex.init_distributed()
+    args = ex.ModelArgs()
+    model = ex.Transformer(args)
+    model.init_weights(0)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    expert_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep_fsdp",))
+    cap = capture.Capture()
+    backend = cap.backend("aot_eager")
+    ex.apply_ac(model, "full")
+    with contextlib.nullcontext() if weave else autoweave.disabled():
+        for key, block in model.layers.items():
+            model.layers[key] = torch.compile(block, backend=backend)
+    ex.apply_fsdp(model, mesh, expert_mesh, "separate")
+    for step in range(2):
+        inputs, targets = ex.make_batch(step, 0, 2 * world, args)
+        shard = slice(rank * 2, rank * 2 + 2)
+        logits = model(inputs[shard])
+        F.cross_entropy(logits.flatten(0, 1), targets[shard].flatten()).backward()
+    (out / f"capture{rank}.json").write_text(json.dumps({"graphs": cap.graph_count, "ops": cap.ops}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

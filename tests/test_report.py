@@ -1,0 +1,170 @@
+"""The plan log and the report: folding, counting against a counting backend, fallback detection."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+import autoweave
+from autoweave import capture, report
+from autoweave._settings import Settings
+from tests.models import Block
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(moe=False)] + [Block() for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.fixture
+def weave_on():
+    torch._dynamo.reset()
+    report.reset()
+    assert autoweave.enable()
+    yield
+    report.stop()
+    report.reset()
+    autoweave.disable()
+    torch._dynamo.reset()
+
+
+def test_fold_names() -> None:
+    assert report.fold_names(["layers.1", "layers.2", "layers.3"]) == "layers.1-3"
+    assert report.fold_names(["layers.1.moe.experts", "layers.2.moe.experts"]) == "layers.1-2.moe.experts"
+    assert report.fold_names(["layers.1", "layers.3"]) == "layers.{1,3}"
+    assert report.fold_names(["a", "b"]) == "a, b"
+
+
+def test_display_path_drops_wrapper_segments() -> None:
+    assert report.display_path("_checkpoint_wrapped_module.moe.experts") == "moe.experts"
+    assert report.display_path("_orig_mod._checkpoint_wrapped_module") == "<root>"
+
+
+def test_settings_report_variable() -> None:
+    assert Settings.from_environ({"AUTOWEAVE_REPORT": " /tmp/r{rank}.json "}).report == "/tmp/r{rank}.json"
+    assert Settings.from_environ({"AUTOWEAVE_REPORT": ""}).report is None
+    bad = Settings.from_environ({"AUTOWEAVE_REPORT": "/tmp/r{node}.json"})
+    assert bad.report is None and bad.problems[0].startswith("AUTOWEAVE_REPORT=")
+
+
+def test_plan_log_folds_blocks_and_names_them(weave_on, caplog) -> None:
+    torch.manual_seed(0)
+    model = Stack()
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(cw.checkpoint_wrapper(block), backend="aot_eager")
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.INFO, logger="autoweave"):
+        model(x).sum().backward()
+        assert not [r for r in caplog.records if r.getMessage().startswith("autoweave plan")]
+        model(x).sum().backward()  # the next step: every block has planned
+    summaries = [r for r in caplog.records if r.getMessage().startswith("autoweave plan")]
+    assert len(summaries) == 1 and summaries[0].levelno == 25
+    text = summaries[0].getMessage()
+    assert text.splitlines()[0] == "autoweave plan: 4 compiled modules, 3 woven"
+    assert "  layers.0 (Block): no boundary inside" in text
+    assert "layers.1.ffn.experts [Experts] boundary: a hook is torch.compiler.disable'd → hooks stay eager" in text
+    assert "  layers.2-3 (2 × Block): same plan as layers.1" in text
+
+
+def test_report_counts_match_a_counting_backend(weave_on, tmp_path) -> None:
+    torch.manual_seed(0)
+    report.start(str(tmp_path / "r{rank}.json"))
+    model, cap = Stack(), capture.Capture()
+    backend = cap.backend()
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(cw.checkpoint_wrapper(block), backend=backend)
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+    data = report.stop()
+    assert data["totals"]["graphs"] == cap.graph_count > 0
+    assert data["totals"]["ops"] == cap.ops > 0
+    assert data["totals"] == {**data["totals"], "modules": 4, "woven": 3}
+    assert data["ac_fallbacks"]["count"] == 0
+    regions = {r["label"]: r for r in data["regions"]}
+    shared = [r for r in regions.values() if r["modules"] == ["layers.1", "layers.2", "layers.3"]]
+    assert len(shared) == 1 and shared[0]["kind"] == "woven"
+    assert [r["modules"] for r in regions.values() if r["kind"] == "plain"] == [["layers.0"]]
+    plan = data["plans"][1]
+    assert plan["name"] == "layers.1" and plan["woven"]
+    assert {d["path"] for d in plan["decisions"]} == {"layers.1", "layers.1.ffn.experts"}
+    summary = report.format_exit_summary(data, "r0.json")
+    assert "checkpointed regions that fell back to eager: 0" in summary
+    assert len(summary.splitlines()) <= 20
+
+
+def test_fallback_detected_for_compiles_autoweave_did_not_route(weave_on) -> None:
+    report.start(None)
+    with autoweave.disabled():
+        model = torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
+    model(torch.randn(4, 8)).sum().backward()
+    data = report.stop()
+    assert data["ac_fallbacks"]["count"] >= 1
+    assert "fall back to eager-mode PyTorch" in data["ac_fallbacks"]["messages"][0]["message"]
+    assert "WARNING" in report.format_exit_summary(data, None)
+
+
+def test_instrument_is_a_no_op_without_a_report() -> None:
+    kwargs = {"backend": "inductor", "mode": "max-autotune"}
+    assert report.instrument(kwargs, "x") is kwargs
+
+
+def test_instrument_builds_the_backend_torch_would(weave_on) -> None:
+    report.start(None)
+    out = report.instrument({"backend": "inductor", "mode": "max-autotune-no-cudagraphs", "fullgraph": True}, "r")
+    assert set(out) == {"backend", "fullgraph"}
+    inner = out["backend"]._inner
+    assert isinstance(inner, torch._TorchCompileInductorWrapper)
+    assert inner == torch._TorchCompileInductorWrapper("max-autotune-no-cudagraphs", None, None)
+    filtered = report.instrument({"backend": "eager", "options": {"guard_filter_fn": len}}, "r2")
+    assert filtered["options"] == {"guard_filter_fn": len}
+
+
+def _torchrun(tmp: Path, weave: str) -> tuple[list[dict], list[dict], str]:
+    out = tmp / weave
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOWEAVE") and k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", AUTOWEAVE_REPORT=str(out / "r{rank}.json"))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(ROOT / "tests" / "report_worker.py"), str(out), weave,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    reports = [json.loads((out / f"r{r}.json").read_text()) for r in range(2)]
+    counts = [json.loads((out / f"capture{r}.json").read_text()) for r in range(2)]
+    return reports, counts, proc.stderr
+
+
+@pytest.mark.slow
+def test_report_under_gloo_fsdp2_detects_the_fallback_only_without_autoweave(tmp_path: Path) -> None:
+    on, counted, log = _torchrun(tmp_path, "on")
+    for data, cap in zip(on, counted, strict=True):
+        assert data["ac_fallbacks"]["count"] == 0
+        assert data["totals"]["graphs"] == cap["graphs"] > 0
+        assert data["totals"]["ops"] == cap["ops"] > 0
+        assert data["totals"]["woven"] == 3
+    assert log.count("autoweave plan: 4 compiled modules, 3 woven") == 1  # rank 0 only, once
+    assert "layers.1.moe.experts [FSDPGroupedExperts] boundary: FSDP unit (fully_shard)" in log
+    assert log.count("autoweave report (rank 0 of 2)") == 1
+    off, _, log = _torchrun(tmp_path, "off")
+    for data in off:
+        assert data["ac_fallbacks"]["count"] > 0
+        assert data["totals"]["woven"] == 0
+    assert "checkpointed region(s) fell back to eager" in log
