@@ -135,3 +135,28 @@ class FallbackCounter(logging.Handler):
 
     def __exit__(self, *exc: Any) -> None:
         self.uninstall()
+
+
+class _MallInfo2(__import__("ctypes").Structure):
+    _fields_ = [
+        (name, __import__("ctypes").c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
+
+
+def heap_in_use() -> int | None:
+    """Bytes the C heap has handed out now (glibc ``mallinfo2``), or ``None`` where unavailable.
+
+    CPU tensors are allocated from it, so the difference across a forward is the
+    activation memory held for backward: what an AC strategy changes.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return int(info.uordblks + info.hblkhd)

@@ -258,6 +258,7 @@ def _run_variant(order: str, weave_on: bool, ac: str, steps: int, args: Any, inn
         local_bs = 4 // world
         losses, grads, step_times = [], {}, []
         eager_gemms = inside_gemms = -1
+        held_mb: float | None = None
         first_step = 0.0
         for step in range(steps + timing_steps):
             inputs, targets = tm.make_batch(step, 0, 4, args)
@@ -267,6 +268,13 @@ def _run_variant(order: str, weave_on: bool, ac: str, steps: int, args: Any, inn
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                     logits = model(inputs[shard])
                 eager_gemms, inside_gemms = capture.eager_gemms(prof)
+            elif step == max(steps - 2, 0):
+                # Activation memory held for backward: what an AC strategy changes.
+                before = capture.heap_in_use()
+                logits = model(inputs[shard])
+                after = capture.heap_in_use()
+                if before is not None and after is not None:
+                    held_mb = (after - before) / 2**20
             else:
                 logits = model(inputs[shard])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets[shard].flatten())
@@ -303,6 +311,7 @@ def _run_variant(order: str, weave_on: bool, ac: str, steps: int, args: Any, inn
             "peak_rss_mb": peak,
             "peak_rss_scope": rss_scope,
             "policy": sorted(POLICY_SEEN),
+            "activation_mb": held_mb,
         }
     finally:
         fallbacks.uninstall()

@@ -73,6 +73,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("step_s", "median step s"),
     ("step_ratio", "step ÷ autoweave"),
     ("peak_rss_mb", "peak RSS MB"),
+    ("activation_mb", "activations MB"),
     ("max_rel_loss_diff", "max rel loss diff"),
     ("policy_saved", "SAC: ops saved"),
     ("policy_out_ops", "SAC: .out ops seen"),
@@ -221,6 +222,7 @@ def aggregate(runs: list[dict[str, dict[str, Any]]], variants: list[str]) -> lis
             row["first_step_s"] = _median([r.get("first_step_s") for r in ok])
             row["step_s"] = _median([r.get("step_s") for r in ok])
             row["peak_rss_mb"] = _median([r.get("peak_rss_mb") for r in ok])
+            row["activation_mb"] = _median([r.get("activation_mb") for r in ok])
             row["peak_rss_scope"] = first.get("peak_rss_scope", "process")
             # Losses are deterministic; compare every repeat with its own eager run, keep the worst.
             diffs = []
@@ -271,6 +273,8 @@ def _fmt(value: Any, key: str) -> str:
         return f"{value:.2f}×"
     if key == "peak_rss_mb":
         return f"{value:.0f}"
+    if key == "activation_mb":
+        return f"{value:.2f}"
     if key == "max_rel_loss_diff":
         return "0" if value == 0 else f"{value:.1e}"
     if key in ("policy_saved", "policy_out_ops"):

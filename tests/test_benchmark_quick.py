@@ -15,7 +15,7 @@ BENCH = ROOT / "benchmarks" / "weave_bench.py"
 
 COLUMNS = (
     "variant", "ops", "graphs", "graph_breaks", "fallbacks", "eager_gemms",
-    "first_step_s", "step_s", "step_ratio", "peak_rss_mb", "max_rel_loss_diff",
+    "first_step_s", "step_s", "step_ratio", "peak_rss_mb", "activation_mb", "max_rel_loss_diff",
     "policy_saved", "policy_out_ops",
 )  # fmt: skip
 VARIANTS = (
