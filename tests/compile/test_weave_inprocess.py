@@ -252,3 +252,27 @@ def test_recompile_limit_hit_in_a_woven_region_is_reported(caplog):
             model(torch.randn(batch, 8))
     warnings = [r for r in caplog.records if r.name == "autoweave" and "recompile limit" in r.getMessage()]
     assert warnings, caplog.text
+
+
+def test_per_module_strategy_override_and_env_strategy(monkeypatch):
+    from autoweave import _bootstrap
+    from autoweave._settings import Settings
+
+    block = cw.checkpoint_wrapper(Block())
+    assert autoweave.plan(block).decision("").action.value == "hoist"
+    assert autoweave.plan(block).decision("_checkpoint_wrapped_module").action.value == "split"
+    autoweave.set_mode(block, strategy="push-down")
+    plan = autoweave.plan(block)
+    assert plan.decision("").action.value == "push-down"
+    assert all(d.checkpoint is not None for d in plan.regions())
+    with pytest.raises(ValueError, match="hoist, push-down, siblings"):
+        autoweave.set_mode(block, strategy="sideways")
+    monkeypatch.setattr(_bootstrap, "_settings", Settings(enabled=True, strategy="siblings"))
+    other = cw.checkpoint_wrapper(Block())
+    assert autoweave.plan(other).decision("_checkpoint_wrapped_module").action.value == "weave"
+    # The woven model trains like eager under the forced strategy.
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    ref = _reference(other, x)
+    got = _train(torch.compile(other, backend="aot_eager"), x)
+    torch.testing.assert_close(got[1][-1], ref[1][-1], rtol=1e-5, atol=1e-6)
