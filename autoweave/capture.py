@@ -140,7 +140,18 @@ class FallbackCounter(logging.Handler):
 class _MallInfo2(__import__("ctypes").Structure):
     _fields_ = [
         (name, __import__("ctypes").c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
     ]
 
 

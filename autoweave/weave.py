@@ -42,6 +42,22 @@ def _fresh_code(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
     return fresh
 
 
+def _copied_forward(forward: Callable[..., Any], label: str) -> Callable[..., Any]:
+    """The class ``forward`` itself on a code object of its own, for regions that split.
+
+    A graph break inside a function that a trampoline merely calls makes dynamo
+    break at the trampoline's call and trace ``forward``'s own (shared) code as a
+    new frame, under whichever compile reached it first. A copy of the code
+    keeps the split region, and the resume functions dynamo makes at each break,
+    on this region's own cache.
+    """
+    code = forward.__code__.replace(co_name=label, co_qualname=label)
+    copy = types.FunctionType(code, forward.__globals__, label, forward.__defaults__, forward.__closure__)
+    copy.__kwdefaults__ = forward.__kwdefaults__
+    copy.__qualname__ = label
+    return copy
+
+
 def _shared_region(forward: Callable[..., Any], checkpoint_fn: Any, label: str) -> Callable[..., Any]:
     """A function ``region(module, *args)`` running the class ``forward`` (under AC if asked).
 
@@ -165,6 +181,19 @@ def _without_checkpoint(wrapper: nn.Module) -> Callable[..., Any]:
 _shared: dict[tuple, tuple[Callable[..., Any], str]] = {}
 
 
+def _user_code(forward: Any) -> bool:
+    # torch's own modules keep the trampoline: dynamo skips frames whose code
+    # lives in torch's files, and a copy keeps its file name.
+    import os
+
+    import torch
+
+    code = getattr(forward, "__code__", None)
+    return code is not None and not os.path.abspath(code.co_filename).startswith(
+        os.path.dirname(os.path.abspath(torch.__file__))
+    )
+
+
 def _region_forward(
     module: nn.Module, decision: Any, compile_fn: Callable[..., Any], kwargs: dict[str, Any]
 ) -> tuple[Callable[..., Any], str]:
@@ -182,7 +211,12 @@ def _region_forward(
         checkpoint_fn = None if decision.checkpoint is None else decision.checkpoint.checkpoint_fn
         _shared[key] = (
             compile_fn(
-                _shared_region(type(module).forward, checkpoint_fn, label), **report.instrument(kwargs, label)
+                _copied_forward(type(module).forward, label)
+                if decision.action is Action.SPLIT
+                and checkpoint_fn is None
+                and _user_code(type(module).forward)
+                else _shared_region(type(module).forward, checkpoint_fn, label),
+                **report.instrument(kwargs, label),
             ),
             label,
         )

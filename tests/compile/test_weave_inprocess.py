@@ -276,3 +276,41 @@ def test_per_module_strategy_override_and_env_strategy(monkeypatch):
     ref = _reference(other, x)
     got = _train(torch.compile(other, backend="aot_eager"), x)
     torch.testing.assert_close(got[1][-1], ref[1][-1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compile_style", ["wrap", "inplace"])
+def test_32_layer_mixed_dense_and_moe_stack_no_fallback_no_recompile_limit(compile_style, caplog):
+    # One block class for dense and MoE layers (as real models do); every MoE layer's
+    # experts is a boundary. Plain torch here either falls back per checkpointed block or,
+    # hand-woven as AC(Compile(layer)), mixes up layers that share the wrapper's frame.
+    torch.manual_seed(0)
+    blocks = [Block(moe=i % 2 == 1) for i in range(32)]
+    ref_stack = nn.Sequential(*[cw.checkpoint_wrapper(b) for b in blocks])
+    import copy
+
+    ref_stack = copy.deepcopy(ref_stack)
+    cap = capture.Capture()
+    backend = cap.backend()
+    layers = []
+    for b in blocks:
+        wrapped = cw.checkpoint_wrapper(b)
+        if compile_style == "wrap":
+            wrapped = torch.compile(wrapped, backend=backend)
+        else:
+            wrapped.compile(backend=backend)
+        layers.append(wrapped)
+    stack = nn.Sequential(*layers)
+    x = torch.randn(4, 8)
+    with capture.FallbackCounter() as fallbacks, caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            out = stack(x)
+            out.square().mean().backward()
+            ref = ref_stack(x)
+            ref.square().mean().backward()
+    assert fallbacks.count == 0
+    assert "recompile_limit" not in caplog.text and "recompile limit" not in caplog.text
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for p, q in zip(stack.parameters(), ref_stack.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    # Identical layers share their graphs: far fewer graphs than layers.
+    assert cap.graph_count <= 12, cap.graph_count
