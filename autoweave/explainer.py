@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autoweave import boundaries, planner, report
+from autoweave import boundaries, plan_log, planner
 
 SIMULATED = "FSDP unit (fully_shard, simulated)"
 
@@ -158,6 +158,6 @@ def explain(
     entries = []
     for name, target in targets:
         plan = planner.plan(target, mode=mode, strategy=strategy, fullgraph=fullgraph)
-        entries.append(report.Entry(name=name, type_name=report.inner_type(target), plan=plan))
+        entries.append(plan_log.Entry(name=name, type_name=plan_log.inner_type(target), plan=plan))
     head = f"autoweave explain: {type(model).__name__} on meta; {how}; torch.compile(block) per block"
-    return head + "\n" + report.format_summary(entries)
+    return head + "\n" + plan_log.format_summary(entries)

@@ -1,15 +1,11 @@
-"""What autoweave tells you: the plan summary (a log) and the run report (a JSON file).
+"""The run report (``AUTOWEAVE_REPORT=path.json``, ``{rank}`` for one file per rank).
 
-* **Plan summary.** Every compiled module's plan is recorded at its first
-  forward, named by its place in the model (``layers.3``). Once all of them have
-  planned (the first planned module is called again: the next step began) or at
-  exit, rank 0 logs one compact tree, identical blocks folded into one line.
-* **Report** (``AUTOWEAVE_REPORT=path.json``, ``{rank}`` for one file per rank).
-  Counts what compiled, region by region (graphs, ops, compile time, recompiles,
-  through a counting wrapper around each region's backend, see ``instrument``),
-  and what dynamo signalled for every compile in the process, autoweave's or not
-  (graph breaks, recompile-limit hits, checkpointed regions that fell back to
-  eager). Written at exit; rank 0 also prints a one-screen summary.
+Counts what compiled, region by region (graphs, ops, compile time, recompiles,
+through a counting wrapper around each region's backend, see ``instrument``),
+and what dynamo signalled for every compile in the process, autoweave's or not
+(graph breaks, recompile-limit hits, checkpointed regions that fell back to
+eager). Written at exit; rank 0 also prints a one-screen summary, after the plan
+summary (``plan_log``) if that is still waiting.
 """
 
 from __future__ import annotations
@@ -27,284 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoweave import capture
-from autoweave._log import SUMMARY, logger, rank, world_size
-from autoweave.planner import Action, Plan
-
-_WRAPPER_SEGMENTS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)(?=\.|$)")
-_WRAPPER_ATTRS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
-
-_VERBS = {
-    Action.PLAIN: "plain torch.compile",
-    Action.COMPILE: "compiled whole",
-    Action.SPLIT: "compiled, split at boundaries",
-    Action.WEAVE: "woven",
-    Action.BOUNDARY: "boundary",
-    Action.HOIST: "AC eager",
-    Action.PUSH_DOWN: "AC pushed down",
-    Action.EAGER: "eager",
-}
-
-
-# -- formatting ---------------------------------------------------------------------------
-
-
-def display_path(path: str) -> str:
-    """A plan path as the user names it (wrapper segments dropped, like state_dict keys)."""
-    cleaned = _WRAPPER_SEGMENTS.sub("", path).strip(".")
-    return cleaned or "<root>"
-
-
-def _join(name: str, path: str) -> str:
-    shown = display_path(path)
-    if shown == "<root>":
-        return name or shown
-    return f"{name}.{shown}" if name else shown
-
-
-def _decision_lines(plan: Plan, name: str, indent: str) -> list[str]:
-    lines = []
-    for decision in plan.decisions:
-        shown = display_path(decision.path)
-        depth = 0 if shown == "<root>" else shown.count(".") + 1
-        lines.append(
-            f"{indent}{'  ' * depth}{_join(name, decision.path)} [{decision.module_type}] "
-            f"{_VERBS[decision.action]}: {decision.reason}"
-        )
-    return lines
-
-
-def _head(plan: Plan) -> str:
-    if not plan.woven:
-        return plan.decisions[0].reason
-    return f"woven into {len(plan.regions())} compiled regions (mode={plan.mode}, strategy={plan.strategy})"
-
-
-def format_plan(plan: Plan, *, name: str = "", type_name: str | None = None) -> str:
-    """One plan: a head line, then (when woven) one line per decision, indented by depth."""
-    head = f"{name or plan.root_type} ({type_name or plan.root_type}): {_head(plan)}"
-    if not plan.woven:
-        return head
-    return "\n".join([head, *_decision_lines(plan, name, "  ")])
-
-
-_DIGITS = re.compile(r"(\d+)")
-
-
-def fold_names(names: list[str]) -> str:
-    """``layers.1 … layers.3`` -> ``layers.1-3`` (also ``layers.1-3.moe.experts``); else comma-joined."""
-    if len(names) == 1:
-        return names[0]
-    split = [_DIGITS.split(n) for n in names]
-    skeletons = {tuple(parts[0::2]) for parts in split}
-    if len(skeletons) == 1:
-        columns = list(zip(*(parts[1::2] for parts in split), strict=True))
-        varying = [i for i, column in enumerate(columns) if len(set(column)) > 1]
-        if len(varying) == 1:
-            i = varying[0]
-            numbers = sorted(int(v) for v in columns[i])
-            if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
-                folded = f"{numbers[0]}-{numbers[-1]}"
-            else:
-                folded = "{" + ",".join(map(str, numbers)) + "}"
-            parts = list(split[0])
-            parts[2 * i + 1] = folded
-            return "".join(parts)
-    shown = ", ".join(names[:4])
-    return shown + (f", … (+{len(names) - 4})" if len(names) > 4 else "")
-
-
-@dataclass
-class Entry:
-    """One compiled module's plan, as the summary and the report show it."""
-
-    name: str  # qualified name in the model ("layers.3"), or "" when unknown
-    type_name: str  # the user's block type under any wrappers
-    plan: Plan
-    regions: dict[str, str] = field(default_factory=dict)  # plan path -> region label
-    plain_label: str | None = None  # the counted plain compile, when not woven
-
-    @property
-    def shown(self) -> str:
-        return self.name or self.type_name
-
-    def key(self) -> tuple[str, str]:
-        return (self.type_name, format_plan(self.plan, type_name=self.type_name).split(": ", 1)[1])
-
-
-def format_summary(entries: list[Entry]) -> str:
-    """The plan log: one tree for all modules, identical plans folded into one line."""
-    groups: dict[tuple[str, str], list[Entry]] = {}
-    for entry in entries:
-        groups.setdefault(entry.key(), []).append(entry)
-    woven = sum(1 for e in entries if e.plan.woven)
-    lines = [f"autoweave plan: {len(entries)} compiled module{'s' * (len(entries) != 1)}, {woven} woven"]
-    for members in groups.values():
-        first = members[0]
-        if not first.plan.woven:
-            names = fold_names([m.shown for m in members])
-            count = f"{len(members)} × " if len(members) > 1 else ""
-            lines.append(f"  {names} ({count}{first.type_name}): {_head(first.plan)}")
-            continue
-        lines.append(f"  {first.shown} ({first.type_name}): {_head(first.plan)}")
-        lines.extend(_decision_lines(first.plan, first.name, "    "))
-        if len(members) > 1:
-            rest = members[1:]
-            if all(m.name for m in rest):
-                lines.append(
-                    f"  {fold_names([m.name for m in rest])} ({len(rest)} × {first.type_name}): "
-                    f"same plan as {first.shown}"
-                )
-            else:
-                lines.append(f"  {len(rest)} more × {first.type_name}: same plan")
-    return "\n".join(lines)
-
-
-_logged: set[str] = set()
-
-
-def log_plan(plan: Plan) -> None:
-    """Log one plan at INFO once per distinct plan text (kept for callers of the old API)."""
-    text = format_plan(plan)
-    if text in _logged:
-        logger.debug("same plan again for another %s", plan.root_type)
-        return
-    _logged.add(text)
-    logger.info("autoweave plan:\n%s", text)
-
-
-# -- naming a compile target in the whole model -------------------------------------------
-
-
-def inner_type(module: Any) -> str:
-    """The user's module type under compile / checkpoint / FSDP1 wrappers."""
-    for _ in range(8):
-        for attr in _WRAPPER_ATTRS:
-            inner = getattr(module, "_modules", {}).get(attr)
-            if inner is not None:
-                module = inner
-                break
-        else:
-            break
-    return type(module).__name__
-
-
-def _path_in(owner: Any, module: Any) -> str | None:
-    for name, child in owner.named_modules():
-        if child is module:
-            return name
-    return None
-
-
-def qualified_name(target: Any, dispatcher: Any = None, *, frame: Any = None) -> str:
-    """``layers.3``: where ``target`` sits in the model whose forward is calling it now.
-
-    Best effort: walks the calling frames outward; each frame whose ``self`` is a
-    module holding the one found so far extends the name. "" when no caller
-    holds it (a module compiled and called on its own).
-    """
-    import torch.nn as nn
-
-    frame = frame or sys._getframe(1)
-    current: Any = None
-    path = ""
-    for _ in range(256):
-        if frame is None:
-            break
-        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if isinstance(owner, nn.Module) and owner is not current:
-            if current is None:
-                if owner is target or (
-                    dispatcher is not None and owner.__dict__.get("_autoweave_dispatcher") is dispatcher
-                ):
-                    current = owner
-            else:
-                found = _path_in(owner, current)
-                if found:
-                    path = f"{found}.{path}" if path else found
-                    current = owner
-        frame = frame.f_back
-    return display_path(path) if path else ""
-
-
-# -- the plan summary ---------------------------------------------------------------------
-
-_lock = threading.RLock()
-_entries: dict[int, Entry] = {}  # id(dispatcher) -> its latest plan
-_unsummarised: list[int] = []
-# Read by the dispatcher on every call: a summary is waiting for the next step.
-pending = False
-
-
-def record_plan(dispatcher: Any, plan: Plan) -> Entry | None:
-    """Called by the dispatcher after it applied ``plan``; the summary is logged later. Never raises."""
-    try:
-        return _record(dispatcher, plan, sys._getframe(1))
-    except Exception:
-        logger.debug("could not record the plan of %s", type(dispatcher.target).__name__, exc_info=True)
-        return None
-
-
-def _record(dispatcher: Any, plan: Plan, caller: Any) -> Entry:
-    global pending
-    target = dispatcher.target
-    applied = getattr(dispatcher, "_applied", None)
-    entry = Entry(
-        name=qualified_name(target, dispatcher, frame=caller),
-        type_name=inner_type(target),
-        plan=plan,
-        regions=dict(applied.regions) if applied is not None else {},
-        plain_label=_plain_labels.get(target),
-    )
-    with _lock:
-        key = id(dispatcher)
-        _entries[key] = entry
-        if key not in _unsummarised:
-            _unsummarised.append(key)
-        pending = True
-    if _stats is not None:
-        _stats.name_regions(entry)
-    return entry
-
-
-def next_call(dispatcher: Any) -> None:
-    """An already planned module is called again: every block has planned; log the summary."""
-    try:
-        flush()
-    except Exception:
-        logger.debug("could not log the plan summary", exc_info=True)
-
-
-def entries() -> list[Entry]:
-    with _lock:
-        return list(_entries.values())
-
-
-def flush() -> None:
-    """Log the summary of the plans recorded since the last one (rank 0 only)."""
-    global pending
-    with _lock:
-        keys, _unsummarised[:] = list(_unsummarised), []
-        pending = False
-        batch = [_entries[k] for k in keys if k in _entries]
-    if not batch or rank() != 0:
-        return
-    from autoweave import _bootstrap, _log
-
-    woven = any(e.plan.woven for e in batch)
-    if woven and _bootstrap.settings().log_level is None:
-        _log.configure_default()
-    logger.log(SUMMARY if woven else logging.INFO, "%s", format_summary(batch))
-
-
-def reset() -> None:
-    """Forget recorded plans (tests)."""
-    global pending
-    with _lock:
-        _entries.clear()
-        _unsummarised.clear()
-        pending = False
-
+from autoweave import capture, plan_log
+from autoweave._log import logger, rank, world_size
 
 # -- the report: counting what compiled ---------------------------------------------------
 
@@ -448,14 +168,14 @@ class _Stats:
                 self.regions[label] = RegionStats(label, kind)
             return self.regions[label]
 
-    def name_regions(self, entry: Entry) -> None:
+    def name_regions(self, entry: plan_log.Entry) -> None:
         labels = dict(entry.regions)
         if entry.plain_label is not None and not entry.plan.woven:
             labels[""] = entry.plain_label
         for path, label in labels.items():
             region = self.regions.get(label)
             if region is not None:
-                shown = _join(entry.shown, path)
+                shown = plan_log._join(entry.shown, path)
                 if shown not in region.modules:
                     region.modules.append(shown)
 
@@ -480,7 +200,7 @@ class _Stats:
         ]
         fallback_messages = Counter(m.strip().splitlines()[0] for m in self.fallbacks.messages if m.strip())
         plans = []
-        for entry in entries():
+        for entry in plan_log.entries():
             plans.append(
                 {
                     "name": entry.shown,
@@ -488,10 +208,10 @@ class _Stats:
                     "woven": entry.plan.woven,
                     "mode": entry.plan.mode,
                     "strategy": entry.plan.strategy,
-                    "summary": _head(entry.plan),
+                    "summary": plan_log._head(entry.plan),
                     "decisions": [
                         {
-                            "path": _join(entry.name, d.path),
+                            "path": plan_log._join(entry.name, d.path),
                             "type": d.module_type,
                             "action": d.action.value,
                             "reason": d.reason,
@@ -538,7 +258,21 @@ class _Stats:
 
 
 _stats: _Stats | None = None
+_lock = threading.RLock()
 _plain_labels: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def plain_label(module: Any) -> str | None:
+    """The label under which a plain (not woven) compile of ``module`` is counted."""
+    return _plain_labels.get(module)
+
+
+def on_plan(entry: Any) -> None:
+    """A plan was recorded (see ``plan_log``): name its regions in the report."""
+    if _stats is not None:
+        _stats.name_regions(entry)
+
+
 _plain_count = 0
 
 
@@ -657,7 +391,7 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
         f"compile {totals['compile_s']:.1f} s (backend {totals['backend_s']:.1f} s)"
     )
     for region in sorted(data["regions"], key=lambda r: -r["compile_s"])[:4]:
-        where = fold_names(region["modules"]) if region["modules"] else "?"
+        where = plan_log.fold_names(region["modules"]) if region["modules"] else "?"
         lines.append(
             f"    {where}: {region['graphs']} graphs, {region['ops']} ops, "
             f"{region['recompiles']} recompiles, {region['compile_s']:.2f} s"
@@ -694,8 +428,8 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
 def at_exit() -> None:
     """Log any pending plan summary; write the report and print its summary (rank 0)."""
     try:
-        if pending:
-            flush()
+        if plan_log.pending:
+            plan_log.flush()
         stats = _stats
         if stats is None or stats.path is None:
             return

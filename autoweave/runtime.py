@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _bootstrap, capture, planner, report, weave
+from autoweave import _bootstrap, capture, plan_log, planner, report, weave
 from autoweave._failopen import guard
 from autoweave._log import logger
 
@@ -182,8 +182,8 @@ class _Dispatcher:
             self._apply_pending()
         if self._fingerprint is None or _fingerprint(self.target) != self._fingerprint:
             self._decide()
-        elif report.pending:
-            report.next_call(self)  # every block has planned: log the one summary
+        elif plan_log.pending:
+            plan_log.next_call(self)  # every block has planned: log the one summary
         if self._applied is not None:
             return self._eager(*args, **kwargs)
         if self._plain is None:
@@ -236,7 +236,7 @@ class _Dispatcher:
                 planner.unwrap(self.target), plan, _original("compile"), self.compile_kwargs
             )
         logger.debug("%s", plan.summary())
-        report.record_plan(self, plan)
+        plan_log.record_plan(self, plan)
 
     def _on_hidden_fallback(self, hits: list[str]) -> None:
         with self._lock, guard(f"re-planning {type(self.target).__name__}"):

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import capture, report
+from autoweave import capture, plan_log, report
 from autoweave._settings import Settings
 from tests.models import Block
 
@@ -36,25 +36,25 @@ class Stack(nn.Module):
 @pytest.fixture
 def weave_on():
     torch._dynamo.reset()
-    report.reset()
+    plan_log.reset()
     assert autoweave.enable()
     yield
     report.stop()
-    report.reset()
+    plan_log.reset()
     autoweave.disable()
     torch._dynamo.reset()
 
 
 def test_fold_names() -> None:
-    assert report.fold_names(["layers.1", "layers.2", "layers.3"]) == "layers.1-3"
-    assert report.fold_names(["layers.1.moe.experts", "layers.2.moe.experts"]) == "layers.1-2.moe.experts"
-    assert report.fold_names(["layers.1", "layers.3"]) == "layers.{1,3}"
-    assert report.fold_names(["a", "b"]) == "a, b"
+    assert plan_log.fold_names(["layers.1", "layers.2", "layers.3"]) == "layers.1-3"
+    assert plan_log.fold_names(["layers.1.moe.experts", "layers.2.moe.experts"]) == "layers.1-2.moe.experts"
+    assert plan_log.fold_names(["layers.1", "layers.3"]) == "layers.{1,3}"
+    assert plan_log.fold_names(["a", "b"]) == "a, b"
 
 
 def test_display_path_drops_wrapper_segments() -> None:
-    assert report.display_path("_checkpoint_wrapped_module.moe.experts") == "moe.experts"
-    assert report.display_path("_orig_mod._checkpoint_wrapped_module") == "<root>"
+    assert plan_log.display_path("_checkpoint_wrapped_module.moe.experts") == "moe.experts"
+    assert plan_log.display_path("_orig_mod._checkpoint_wrapped_module") == "<root>"
 
 
 def test_settings_report_variable() -> None:
@@ -79,7 +79,10 @@ def test_plan_log_folds_blocks_and_names_them(weave_on, caplog) -> None:
     text = summaries[0].getMessage()
     assert text.splitlines()[0] == "autoweave plan: 4 compiled modules, 3 woven"
     assert "  layers.0 (Block): no boundary inside" in text
-    assert "layers.1.ffn.experts [Experts] boundary: a hook is torch.compiler.disable'd → hooks stay eager" in text
+    assert (
+        "layers.1.ffn.experts [Experts] boundary: a hook is torch.compiler.disable'd → hooks stay eager"
+        in text
+    )
     assert "  layers.2-3 (2 × Block): same plan as layers.1" in text
 
 
@@ -127,7 +130,9 @@ def test_instrument_is_a_no_op_without_a_report() -> None:
 
 def test_instrument_builds_the_backend_torch_would(weave_on) -> None:
     report.start(None)
-    out = report.instrument({"backend": "inductor", "mode": "max-autotune-no-cudagraphs", "fullgraph": True}, "r")
+    out = report.instrument(
+        {"backend": "inductor", "mode": "max-autotune-no-cudagraphs", "fullgraph": True}, "r"
+    )
     assert set(out) == {"backend", "fullgraph"}
     inner = out["backend"]._inner
     assert isinstance(inner, torch._TorchCompileInductorWrapper)
