@@ -36,29 +36,18 @@ def selective_inductor(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return _run(tmp_path_factory.mktemp("strat_ind"), "selective", variants, "--backend", "inductor", "--layers", "2", "--steps", "2")
 
 
-def _record(results: dict, order: str, strategy: str) -> dict:
-    return results[(order, True, strategy)]
-
-
 @pytest.mark.slow
+@pytest.mark.parametrize("ac", ["full", "selective"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_full_ac_each_strategy(full: dict, strategy: str) -> None:
-    rec = _record(full, "compile_ac", strategy)
-    _assert_matches_eager(rec, full[("eager", True)])
+def test_each_strategy_under_each_ac_mode(request: pytest.FixtureRequest, ac: str, strategy: str) -> None:
+    results = request.getfixturevalue(ac)
+    rec = results[("compile_ac", True, strategy)]
+    _assert_matches_eager(rec, results[("eager", True)])
     assert rec["fallbacks"] == 0
-    assert rec["eager_gemms"] <= full[("hand_siblings", False)]["eager_gemms"]
-    if strategy == "hoist":
+    assert rec["eager_gemms"] <= results[("hand_siblings", False)]["eager_gemms"]
+    if ac == "full" and strategy == "hoist":
         # Hoist captures the glue too: as few eager GEMMs as the model with no nested FSDP unit.
-        assert rec["eager_gemms"] == full[("upper_bound", False)]["eager_gemms"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_selective_ac_each_strategy(selective: dict, strategy: str) -> None:
-    rec = _record(selective, "compile_ac", strategy)
-    _assert_matches_eager(rec, selective[("eager", True)])
-    assert rec["fallbacks"] == 0
-    assert rec["eager_gemms"] <= selective[("hand_siblings", False)]["eager_gemms"]
+        assert rec["eager_gemms"] == results[("upper_bound", False)]["eager_gemms"]
 
 
 @pytest.mark.slow
