@@ -7,14 +7,12 @@ patches) are imported by the hooks, when torch itself is imported.
 import _thread
 import sys
 
+from _autoweave_start import CHECKPOINT_WRAPPER_MODULE, TORCH
 from autoweave import _importhook
 from autoweave._settings import TYPE_CHECKING, Settings
 
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any
-
-TORCH = "torch"
-CHECKPOINT_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 
 _lock = _thread.RLock()
 _settings: "Settings | None" = None
@@ -69,11 +67,30 @@ def startup() -> None:
             pass
 
 
+def on_import(module: "Any") -> None:
+    """Hook registered by the start-up module: torch (or checkpoint_wrapper) was just imported."""
+    global _hooks_registered
+    _hooks_registered = True
+    current = settings()
+    if current.log_level is not None:
+        from autoweave import _log
+
+        _log.configure(current.log_level)
+    _report_problems(current)
+    if not current.enabled:
+        return
+    if module.__name__ == TORCH:
+        _on_torch_import(module)
+    else:
+        _on_checkpoint_wrapper_import(module)
+
+
 def install() -> None:
     """Patch torch now if it is imported, else when it is; idempotent."""
     global _hooks_registered
     with _lock:
-        if _hooks_registered:
+        if _hooks_registered or _importhook.registered(TORCH):
+            _hooks_registered = True  # the start-up module's hooks already wait for torch
             return
         _hooks_registered = True
         # Registering is plain dictionary work; the hooks themselves carry the

@@ -47,7 +47,7 @@ def _check(python: Path, env: dict[str, str], expect_autoweave: bool) -> None:
         text=True,
         check=True,
     )
-    expected = "['autoweave']" if expect_autoweave else "[]"
+    expected = "['_autoweave_start']" if expect_autoweave else "[]"
     if proc.stdout.strip() != expected or proc.stderr:
         raise SystemExit(f"unexpected start-up state {proc.stdout.strip()} {proc.stderr!r} (wanted {expected})")
 

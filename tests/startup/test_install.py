@@ -123,18 +123,18 @@ def test_unset_torch_is_original(any_install: venvs.Venv, probe_dir: Path) -> No
 def test_on_without_torch_imports_neither_torch_nor_wrapt(installed_venv: venvs.Venv, value: str) -> None:
     proc = installed_venv.run(["-c", CHECK_MODULES], env=venvs.child_env({"AUTOWEAVE": value}))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "['autoweave']"
+    assert proc.stdout.strip() == "['_autoweave_start']"
     assert autoweave_lines(proc.stderr) == [], proc.stderr
 
 
 def test_on_without_torch_editable(editable_venv: venvs.Venv) -> None:
     proc = editable_venv.run(["-c", CHECK_MODULES], env=venvs.child_env({"AUTOWEAVE": "1"}))
-    assert proc.stdout.strip() == "['autoweave']", proc.stderr
+    assert proc.stdout.strip() == "['_autoweave_start']", proc.stderr
 
 
 def test_on_patches_torch(any_install: venvs.Venv, probe_dir: Path) -> None:
     state, proc = run_probe(any_install, probe_dir, "torch", "cw", env={"AUTOWEAVE": "1"})
-    assert sorted(state["at_start"]) == ["autoweave"]
+    assert sorted(state["at_start"]) == ["_autoweave_start"]
     assert_patched(state)
     assert autoweave_lines(proc.stderr) == [], proc.stderr
 
@@ -318,9 +318,9 @@ def test_startup_file_run_twice_leaves_one_layer(installed_venv: venvs.Venv, pro
         import autoweave
         autoweave.enable()
         after = awprobe.state()
-        from autoweave import _importhook
-        hooks = {name: len(h) for name, h in _importhook._hooks.items()}
-        finders = sum(1 for f in sys.meta_path if f is _importhook._finder)
+        import _autoweave_start
+        hooks = {name: len(h) for name, h in _autoweave_start._hooks.items()}
+        finders = sum(1 for f in sys.meta_path if type(f).__name__ == "_Finder")
         awprobe.emit({"before": before, "after": after, "hooks": hooks, "finders": finders})
         """,
         str(installed_venv.site_packages),

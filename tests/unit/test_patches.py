@@ -108,12 +108,14 @@ def test_enable_disable_enable_leaves_one_layer() -> None:
 
 
 def test_disable_restores_identity_and_hooks() -> None:
+    import _autoweave_start as hooks  # the one finder, which autoweave._importhook re-exports
+
     autoweave.enable()
-    assert _importhook._finder in sys.meta_path
+    assert hooks._finder in sys.meta_path and _importhook.registered("torch")
     autoweave.disable()
     assert_originals()
-    assert _importhook._finder not in sys.meta_path
-    assert not _importhook._hooks
+    assert hooks._finder not in sys.meta_path
+    assert not hooks._hooks
     assert not autoweave.is_enabled()
     autoweave.disable()  # twice is fine
     assert_originals()

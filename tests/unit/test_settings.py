@@ -204,11 +204,31 @@ def test_requested_unset() -> None:
     assert _settings.requested({}) is False
 
 
-def test_start_up_files_precheck_matches_false_values() -> None:
-    for name in ("autoweave.pth", "_autoweave_start.py", "sitecustomize/sitecustomize.py"):
-        text = (REPO_ROOT / name).read_text()
-        assert "('', '0', 'false', 'no', 'off')" in text.replace('"', "'"), name
-    assert _settings.FALSE_VALUES == ("", "0", "false", "no", "off")
+def test_start_up_prechecks_agree_with_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    import _autoweave_start
+
+    assert _autoweave_start.OFF == _settings.FALSE_VALUES
+    assert _autoweave_start.ON == _settings.TRUE_VALUES
+    # The .pth line: off values (any case, any spaces) never import anything; the rest
+    # hand over to the start-up module.
+    line = (REPO_ROOT / "autoweave.pth").read_text().strip()
+    calls: list[int] = []
+    monkeypatch.setitem(sys.modules, "_autoweave_start", types.SimpleNamespace(main=lambda: calls.append(1)))
+    monkeypatch.delenv("AUTOWEAVE", raising=False)
+    exec(line, {})
+    for value in (*_settings.FALSE_VALUES, " OFF ", "No", "FALSE"):
+        monkeypatch.setenv("AUTOWEAVE", value)
+        exec(line, {})
+    assert calls == []
+    for value in (*_settings.TRUE_VALUES, " On ", "maybe"):
+        monkeypatch.setenv("AUTOWEAVE", value)
+        exec(line, {})
+    assert len(calls) == len(_settings.TRUE_VALUES) + 2
+    shell = (REPO_ROOT / "sitecustomize" / "sitecustomize.py").read_text().replace('"', "'")
+    assert "('', '0', 'false', 'no', 'off')" in shell
 
 
 def test_settings_is_frozen_and_hashable() -> None:
