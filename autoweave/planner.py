@@ -75,6 +75,9 @@ class Plan:
     fullgraph: bool
     decisions: tuple[Decision, ...]
     boundaries: tuple[tuple[str, str], ...]  # (path, reason)
+    # checkpoint_wrapper(torch.compile(block)) under selective AC: the enclosing
+    # wrapper's checkpoint, moved into this plan's regions (the wrapper stops checkpointing).
+    outer_push_down: CheckpointSpec | None = None
 
     def regions(self) -> list[Decision]:
         return [d for d in self.decisions if d.region]
@@ -394,6 +397,7 @@ def plan(
     strategy: str = "auto",
     fullgraph: bool = False,
     classify: Classifier | None = None,
+    outer_ac: CheckpointSpec | None = None,
 ) -> Plan:
     """Decide how to compile ``module`` (the object handed to ``torch.compile``).
 
@@ -426,6 +430,19 @@ def plan(
         return plain("no boundary inside: compiled as plain torch.compile would")
     if mode == "off":
         return plain("weaving is off (mode=off): compiled as plain torch.compile would")
+    if (
+        outer_ac is not None
+        and not outer_ac.reentrant
+        and (outer_ac.selective or not outer_ac.known or strategy == "push-down")
+    ):
+        # AC outside the compile: plain torch splits at the boundary, but an eager
+        # selective policy around compiled code sees inductor's kernels, not the
+        # ops it was written for. Move the checkpoint into each region instead.
+        planner = _Planner(tree, strategy, fullgraph)
+        planner.node("", target, _Context(fullgraph, strategy, checkpoint=outer_ac), root=True)
+        return Plan(
+            root_type, True, mode, strategy, fullgraph, tuple(planner.out), found, outer_push_down=outer_ac
+        )
     own_spec = checkpoint_spec(target)
     traced_ac = own_spec is not None or tree.traced_ac_over_boundary(target)
     if mode == "auto" and not traced_ac and not fullgraph:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -80,10 +81,32 @@ def route_checkpoint_wrapper(wrapped: Callable[..., Any], instance: Any, args: t
     target = args[0] if args else kwargs.get("module")
     dispatcher = getattr(target, "_autoweave_dispatcher", None) if target is not None else None
     if dispatcher is not None:
-        # checkpoint_wrapper(torch.compile(block)): AC is outside the compile,
-        # which plain torch handles for full AC; remember it for the plan log.
-        dispatcher.outer_ac = planner.checkpoint_spec(wrapper)
+        with guard("watching the AC around a compiled module"):
+            _gate_outer_ac(dispatcher, wrapper)
     return wrapper
+
+
+def _gate_outer_ac(dispatcher: _Dispatcher, wrapper: nn.Module) -> None:
+    """checkpoint_wrapper(torch.compile(block)): decide before the checkpoint starts.
+
+    Plain torch copes with full AC outside the compile; a selective policy must
+    move inside the compiled regions (planner.plan's ``outer_ac``). That is known
+    only at the first call, and by the time the compiled block runs, the eager
+    checkpoint has begun: so the wrapper's forward asks the dispatcher first and
+    skips its own checkpoint when the plan moved it inside.
+    """
+    dispatcher.outer = weakref.ref(wrapper)
+    wrapper_forward = type(wrapper).forward
+    inner = wrapper._checkpoint_wrapped_module
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        dispatcher.ensure_decided()
+        plan = dispatcher.plan
+        if plan is not None and plan.outer_push_down is not None and dispatcher.woven:
+            return inner(*args, **kwargs)
+        return wrapper_forward(wrapper, *args, **kwargs)
+
+    wrapper.__dict__["forward"] = forward
 
 
 def _compile_kwargs(args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -147,8 +170,9 @@ class _Dispatcher:
         self._applied: weave.Applied | None = None
         self._watch_first_call = False
         self._pending: planner.Plan | None = None
+        self._called = False
         self.plan: planner.Plan | None = None
-        self.outer_ac: planner.CheckpointSpec | None = None
+        self.outer: Callable[[], nn.Module | None] | None = None  # weakref to an enclosing AC wrapper
 
     # How the dispatcher is put in place -------------------------------------------------
 
@@ -177,13 +201,23 @@ class _Dispatcher:
 
     # The call path ----------------------------------------------------------------------
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    @property
+    def woven(self) -> bool:
+        return self._applied is not None
+
+    def ensure_decided(self) -> bool:
+        """Plan (or re-plan, when the module tree changed) before running; True if it planned now."""
         if self._pending is not None:
             self._apply_pending()
         if self._fingerprint is None or _fingerprint(self.target) != self._fingerprint:
             self._decide()
-        elif plan_log.pending:
-            plan_log.next_call(self)  # every block has planned: log the one summary
+            return True
+        return False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.ensure_decided() and self._called and plan_log.pending:
+            plan_log.next_call(self)  # called again: every block has planned; log the one summary
+        self._called = True
         if self._applied is not None:
             return self._eager(*args, **kwargs)
         if self._plain is None:
@@ -207,11 +241,13 @@ class _Dispatcher:
             mode = getattr(self.target, MODE_ATTR, None) or settings.mode
             strategy = getattr(self.target, STRATEGY_ATTR, None) or settings.strategy
             with guard(f"planning {type(self.target).__name__}") as failed:
+                outer = self.outer() if self.outer is not None else None
                 plan = planner.plan(
                     self.target,
                     mode=mode,
                     strategy=strategy,
                     fullgraph=bool(self.compile_kwargs.get("fullgraph")),
+                    outer_ac=planner.checkpoint_spec(outer) if outer is not None else None,
                 )
                 self._apply(plan)
             if failed:

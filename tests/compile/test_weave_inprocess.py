@@ -314,3 +314,41 @@ def test_32_layer_mixed_dense_and_moe_stack_no_fallback_no_recompile_limit(compi
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
     # Identical layers share their graphs: far fewer graphs than layers.
     assert cap.graph_count <= 12, cap.graph_count
+
+
+def _sac_kwargs():
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
+
+
+def test_selective_ac_outside_the_compile_is_moved_inside():
+    # checkpoint_wrapper(torch.compile(block), context_fn=policy): plain torch splits the graph
+    # at the boundary, but the eager policy would see inductor's kernels; autoweave moves the
+    # checkpoint into each compiled region and the wrapper stops checkpointing.
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(4, 8)
+    eager = cw.checkpoint_wrapper(__import__("copy").deepcopy(block), **_sac_kwargs())
+    ref = _train(eager, x)
+    compiled = torch.compile(block, backend="aot_eager")
+    model = cw.checkpoint_wrapper(compiled, **_sac_kwargs())
+    with capture.FallbackCounter() as fallbacks:
+        got = _train(model, x)
+    plan = runtime.dispatcher_of(compiled).plan
+    assert plan.woven and plan.outer_push_down is not None and plan.outer_push_down.selective
+    assert plan.regions() and all(d.checkpoint is not None for d in plan.regions())
+    assert "forward" in model.__dict__  # the wrapper no longer checkpoints itself
+    assert fallbacks.count == 0
+    for a, b in zip(got[0] + got[1], ref[0] + ref[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # Full AC outside the compile stays exactly plain torch.
+    full = torch.compile(Block(), backend="aot_eager")
+    cw.checkpoint_wrapper(full)(x)
+    assert not runtime.dispatcher_of(full).plan.woven

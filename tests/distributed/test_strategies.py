@@ -32,7 +32,7 @@ def selective(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="module")
 def selective_inductor(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    variants = ["eager", "compile_ac:on", "hand_siblings:off"]
+    variants = ["eager", "compile_ac:on", "hand_siblings:off", "ac_compile:on"]
     return _run(tmp_path_factory.mktemp("strat_ind"), "selective", variants, "--backend", "inductor", "--layers", "2", "--steps", "2")
 
 
@@ -67,3 +67,21 @@ def test_selective_policy_decides_the_same_ops_as_eager_sac_with_inductor(select
     # The hand-written sibling weave (eager SAC around inductor code) hands the policy kernels instead.
     hand = {tuple(p) for p in selective_inductor[("hand_siblings", False)]["policy"]}
     assert any(op.endswith(".out") for op, _ in hand)
+
+
+@pytest.mark.slow
+def test_selective_ac_outside_the_compile_is_honoured_with_inductor(selective_inductor: dict) -> None:
+    # checkpoint_wrapper(torch.compile(block), context_fn=policy): autoweave moves the checkpoint in.
+    eager = {tuple(p) for p in selective_inductor[("eager", True)]["policy"]}
+    rec = selective_inductor[("ac_compile", True)]
+    _assert_matches_eager(rec, selective_inductor[("eager", True)])
+    seen = {tuple(p) for p in rec["policy"]}
+    # The dense first block has no boundary, so it compiles exactly as plain torch would (its
+    # eager policy sees inductor's mm kernels, as without autoweave). The experts' bmm exist only
+    # in woven MoE blocks: there the policy decides on the op itself, never on a kernel.
+    assert ("aten.bmm.default", "MUST_SAVE") in seen
+    assert ("aten.mm.default", "MUST_SAVE") in seen
+    assert not any(op == "aten.bmm.out" for op, _ in seen), sorted(seen)
+    assert {p for p in seen if not p[0].endswith(".out")} <= eager
+    hand = {op for op, _ in selective_inductor[("hand_siblings", False)]["policy"]}
+    assert "aten.bmm.out" in hand  # without autoweave the experts' policy sees kernels
