@@ -184,9 +184,3 @@ class Settings:
             problems=tuple(problems),
             report=report,
         )
-
-
-def requested(environ: "Mapping[str, str] | None" = None) -> bool:
-    """Cheap pre-check used by the start-up file: is ``AUTOWEAVE`` set to anything but off?"""
-    env = os.environ if environ is None else environ
-    return env.get(AUTOWEAVE, "").strip().lower() not in FALSE_VALUES

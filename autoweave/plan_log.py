@@ -148,19 +148,6 @@ def format_summary(entries: list[Entry]) -> str:
     return "\n".join(lines)
 
 
-_logged: set[str] = set()
-
-
-def log_plan(plan: Plan) -> None:
-    """Log one plan at INFO once per distinct plan text (kept for callers of the old API)."""
-    text = format_plan(plan)
-    if text in _logged:
-        logger.debug("same plan again for another %s", plan.root_type)
-        return
-    _logged.add(text)
-    logger.info("autoweave plan:\n%s", text)
-
-
 # -- naming a compile target in the whole model -------------------------------------------
 
 

@@ -142,7 +142,7 @@ class Applied:
     changes: list[tuple[nn.Module, Any]] = field(default_factory=list)
     regions: dict[str, str] = field(default_factory=dict)  # module path -> region label (shared code)
 
-    def set_forward(self, module: nn.Module, fn: Any) -> None:
+    def _set_forward(self, module: nn.Module, fn: Any) -> None:
         previous = module.__dict__.get("forward", _MISSING)
         if previous is not _MISSING and hasattr(previous, PRIOR):
             previous = getattr(previous, PRIOR)  # a re-plan replaces our own install
@@ -169,7 +169,7 @@ def _with_checkpoint(forward: Callable[..., Any], spec: CheckpointSpec) -> Calla
     return checkpointed
 
 
-def without_checkpoint(wrapper: nn.Module) -> Callable[..., Any]:
+def _without_checkpoint(wrapper: nn.Module) -> Callable[..., Any]:
     inner = wrapper._checkpoint_wrapped_module
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -244,14 +244,14 @@ def apply_plan(
                 forward, label = _region_forward(module, decision, compile_fn, kwargs)
                 applied.regions[decision.path] = label
             elif decision.action is Action.PUSH_DOWN:
-                forward = without_checkpoint(module)
+                forward = _without_checkpoint(module)
             if decision.opaque:
                 # Keep this checkpointed module out of the enclosing region's
                 # trace: dynamo breaks the graph here instead of giving up on
                 # the checkpoint. Regions below still compile on their own.
                 forward = _compat.disable(forward or _prior_forward(module), recursive=True)
             if forward is not None:
-                applied.set_forward(module, forward)
+                applied._set_forward(module, forward)
     except BaseException:
         applied.revert()
         raise

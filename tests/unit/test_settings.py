@@ -193,17 +193,6 @@ def test_any_autoweave_value_is_on_off_or_reported(value: str) -> None:
         assert len(s.problems) == 1 and s.problems[0].startswith("AUTOWEAVE=")
 
 
-@given(st.text(max_size=12))
-def test_requested_matches_the_start_up_files_precheck(value: str) -> None:
-    # autoweave.pth and _autoweave_start.py inline this test; they must agree with it.
-    inline = value.strip().lower() not in ("", "0", "false", "no", "off")
-    assert _settings.requested({"AUTOWEAVE": value}) is inline
-
-
-def test_requested_unset() -> None:
-    assert _settings.requested({}) is False
-
-
 def test_start_up_prechecks_agree_with_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
     import types
