@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch.nn as nn
 
@@ -75,13 +76,27 @@ def _hooks_disabled(module: nn.Module) -> bool:
     return False
 
 
-def forward_disabled(module: nn.Module) -> bool:
-    """True when the user disabled compile for this module's forward."""
+def own_forward(module: nn.Module) -> Any:
+    """The forward the user set on this instance, autoweave's installs peeled off; None if none.
+
+    Every forward autoweave installs carries what it replaced under ``PRIOR``, so
+    planning always sees the user's code, however often a module was re-planned.
+    """
     forward = module.__dict__.get("forward")
-    # autoweave's own installs carry what they replaced; judge the user's forward.
     while forward is not None and hasattr(forward, PRIOR):
         forward = getattr(forward, PRIOR)
-    return _compat.dynamo_disabled(forward if forward is not None else type(module).forward)
+    return forward
+
+
+def user_forward(module: nn.Module) -> Any:
+    """The user's forward, bound: the instance override if any, else the class's."""
+    own = own_forward(module)
+    return own if own is not None else type(module).forward.__get__(module)
+
+
+def forward_disabled(module: nn.Module) -> bool:
+    """True when the user disabled compile for this module's forward."""
+    return _compat.dynamo_disabled(user_forward(module))
 
 
 def classify(module: nn.Module) -> str | None:

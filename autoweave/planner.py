@@ -145,8 +145,7 @@ def calls_checkpoint(module: nn.Module) -> bool:
     tree. When it misses one, the runtime still notices dynamo's fallback at the
     first call and weaves from the next call on.
     """
-    forward = module.__dict__.get("forward") or type(module).forward
-    forward = getattr(forward, boundaries.PRIOR, None) or forward
+    forward = boundaries.user_forward(module)
     code = getattr(getattr(forward, "__func__", forward), "__code__", None)
     stack = [code] if code is not None else []
     while stack:
@@ -158,7 +157,7 @@ def calls_checkpoint(module: nn.Module) -> bool:
 
 
 def _is_container(module: nn.Module) -> bool:
-    forward = module.__dict__.get("forward") or type(module).forward
+    forward = boundaries.user_forward(module)
     return getattr(forward, "__func__", forward) is nn.Module.forward
 
 

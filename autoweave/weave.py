@@ -17,10 +17,9 @@ from typing import Any
 import torch.nn as nn
 
 from autoweave import _compat, report
-from autoweave.boundaries import PRIOR
+from autoweave.boundaries import PRIOR, own_forward, user_forward
 from autoweave.planner import Action, CheckpointSpec, Plan
 
-_MISSING = object()
 _labels = itertools.count()
 
 
@@ -120,16 +119,6 @@ def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]
     return (type(module).forward, structure, shapes, decision.action, checkpoint, _identity(compile_kwargs))
 
 
-def _prior_forward(module: nn.Module) -> Any:
-    """The user's forward: an instance override if any, else the class's, bound."""
-    current = module.__dict__.get("forward", _MISSING)
-    while current is not _MISSING and hasattr(current, PRIOR):
-        current = getattr(current, PRIOR)
-    if current is _MISSING or current is None:
-        return type(module).forward.__get__(module)
-    return current
-
-
 def _label(path: str, module: nn.Module) -> str:
     safe = "".join(c if c.isalnum() else "_" for c in (path or "root"))
     return f"autoweave_{type(module).__name__}_{safe}_{next(_labels)}"
@@ -143,16 +132,14 @@ class Applied:
     regions: dict[str, str] = field(default_factory=dict)  # module path -> region label (shared code)
 
     def _set_forward(self, module: nn.Module, fn: Any) -> None:
-        previous = module.__dict__.get("forward", _MISSING)
-        if previous is not _MISSING and hasattr(previous, PRIOR):
-            previous = getattr(previous, PRIOR)  # a re-plan replaces our own install
-        setattr(fn, PRIOR, None if previous is _MISSING else previous)
+        previous = own_forward(module)  # a re-plan replaces our own install, not the user's
+        setattr(fn, PRIOR, previous)
         self.changes.append((module, previous))
         module.__dict__["forward"] = fn
 
     def revert(self) -> None:
         for module, previous in reversed(self.changes):
-            if previous is _MISSING or previous is None:
+            if previous is None:
                 module.__dict__.pop("forward", None)
             else:
                 module.__dict__["forward"] = previous
@@ -198,10 +185,8 @@ def _region_forward(
     module: nn.Module, decision: Any, compile_fn: Callable[..., Any], kwargs: dict[str, Any]
 ) -> tuple[Callable[..., Any], str]:
     """The compiled forward to install on ``module``, and its region label."""
-    own = module.__dict__.get("forward", _MISSING)
-    while own is not _MISSING and own is not None and hasattr(own, PRIOR):
-        own = getattr(own, PRIOR)
-    if own is not _MISSING and own is not None:
+    own = own_forward(module)
+    if own is not None:
         call = own if decision.checkpoint is None else _with_checkpoint(own, decision.checkpoint)
         label = _label(decision.path, module)
         return compile_fn(_private_region(call, label), **report.instrument(kwargs, label)), label
@@ -249,7 +234,7 @@ def apply_plan(
                 # Keep this checkpointed module out of the enclosing region's
                 # trace: dynamo breaks the graph here instead of giving up on
                 # the checkpoint. Regions below still compile on their own.
-                forward = _compat.disable(forward or _prior_forward(module), recursive=True)
+                forward = _compat.disable(forward or user_forward(module), recursive=True)
             if forward is not None:
                 applied._set_forward(module, forward)
     except BaseException:

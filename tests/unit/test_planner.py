@@ -190,3 +190,22 @@ def test_unknown_mode_names_accepted_values():
 
     with pytest.raises(ValueError, match="auto, always, off"):
         planner.plan(nn.Linear(2, 2), mode="sometimes")
+
+
+def test_planning_reads_the_users_forward_under_autoweaves_installs():
+    # A re-plan (e.g. after fully_shard changed the tree) sees a module whose forward
+    # autoweave replaced; decisions must still come from the user's code beneath it.
+    class CkptBlock(Node):
+        def forward(self, x):
+            import torch.utils.checkpoint
+
+            return torch.utils.checkpoint.checkpoint(self.moe, x, use_reentrant=False)
+
+    block = CkptBlock()
+    block.add_module("moe", _moe_block("full")._checkpoint_wrapped_module.moe)
+    installed = functools.partial(print)  # stands in for a compiled region
+    setattr(installed, boundaries.PRIOR, None)  # it replaced the class forward
+    block.__dict__["forward"] = installed
+    assert planner.calls_checkpoint(block)
+    assert boundaries.user_forward(block).__func__ is CkptBlock.forward
+    assert boundaries.own_forward(block) is None
