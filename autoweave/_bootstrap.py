@@ -7,7 +7,7 @@ patches) are imported by the hooks, when torch itself is imported.
 import _thread
 import sys
 
-from _autoweave_start import CHECKPOINT_WRAPPER_MODULE, TORCH
+from _autoweave_start import CHECKPOINT_WRAPPER_MODULE, TORCH, _warn
 from autoweave import _importhook
 from autoweave._settings import TYPE_CHECKING, Settings
 
@@ -35,36 +35,29 @@ def reload_settings(new: "Settings | None" = None) -> Settings:
     return _settings
 
 
-def _report_problems(current: Settings) -> None:
+def _prepare(current: Settings) -> None:
+    """Once per process: the log level asked for, and each settings problem on stderr."""
     global _problems_reported
-    if _problems_reported or not current.problems:
+    if current.log_level is not None:
+        from autoweave import _log
+
+        _log.configure(current.log_level)
+    if _problems_reported:
         return
     _problems_reported = True
     for problem in current.problems:
-        try:
-            sys.stderr.write(f"autoweave: {problem}\n")
-        except Exception:
-            pass
+        _warn(problem)
 
 
 def startup() -> None:
-    """Entry point of the start-up file; never raises, whatever happens."""
+    """Entry point of the start-up file (unusual AUTOWEAVE values); never raises."""
     try:
         current = settings()
-        if current.log_level is not None:
-            from autoweave import _log
-
-            _log.configure(current.log_level)
-        _report_problems(current)
+        _prepare(current)
         if current.enabled:
             install()
     except BaseException as exc:  # noqa: BLE001 - a .pth must never break Python
-        try:
-            sys.stderr.write(
-                f"autoweave: [startup-failed] {type(exc).__name__}: {exc}; continuing without autoweave\n"
-            )
-        except Exception:
-            pass
+        _warn(f"[startup-failed] {type(exc).__name__}: {exc}; continuing without autoweave")
 
 
 def on_import(module: "Any") -> None:
@@ -72,11 +65,7 @@ def on_import(module: "Any") -> None:
     global _hooks_registered
     _hooks_registered = True
     current = settings()
-    if current.log_level is not None:
-        from autoweave import _log
-
-        _log.configure(current.log_level)
-    _report_problems(current)
+    _prepare(current)
     if not current.enabled:
         return
     if module.__name__ == TORCH:

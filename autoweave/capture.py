@@ -18,6 +18,9 @@ GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_sca
 COMPILED_RANGE = "CompiledFunction"
 FALLBACK_LOGGER = "torch._dynamo.variables.higher_order_ops"
 FALLBACK_NEEDLE = "fall back to eager-mode PyTorch"
+# dynamo's warning when a frame's cache is full and it runs eager from then on.
+RECOMPILE_LIMIT_LOGGER = "torch._dynamo.convert_frame"
+RECOMPILE_LIMIT_NEEDLE = "hit config."
 
 
 @dataclass

@@ -87,7 +87,7 @@ class _LimitFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if "hit config." in message:
+        if capture.RECOMPILE_LIMIT_NEEDLE in message:
             lines = [line.strip() for line in message.splitlines()]
             self._stats.limit_hits.append(" ".join(lines[:3]))
         return True
@@ -115,7 +115,7 @@ class _Stats:
         from autoweave import _compat
 
         self.fallbacks.install()
-        logging.getLogger("torch._dynamo.convert_frame").addFilter(self._filter)
+        logging.getLogger(capture.RECOMPILE_LIMIT_LOGGER).addFilter(self._filter)
         self._callbacks = _compat.compile_callbacks()
         if self._callbacks is not None:
             self._callbacks.register_start_callback(self._on_start)
@@ -123,7 +123,7 @@ class _Stats:
 
     def uninstall(self) -> None:
         self.fallbacks.uninstall()
-        logging.getLogger("torch._dynamo.convert_frame").removeFilter(self._filter)
+        logging.getLogger(capture.RECOMPILE_LIMIT_LOGGER).removeFilter(self._filter)
         if self._callbacks is not None:
             for remove, fn in (
                 (self._callbacks.remove_start_callback, self._on_start),

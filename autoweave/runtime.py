@@ -126,7 +126,7 @@ class _RecompileLimitFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if "hit config." in message and "autoweave_" in message:
+        if capture.RECOMPILE_LIMIT_NEEDLE in message and "autoweave_" in message:
             logger.warning(
                 "a woven region hit dynamo's recompile limit and now runs eager: %s",
                 message.splitlines()[1].strip() if "\n" in message else message,
@@ -141,7 +141,7 @@ def _install_recompile_filter() -> None:
     global _recompile_filter_installed
     if not _recompile_filter_installed:
         _recompile_filter_installed = True
-        logging.getLogger("torch._dynamo.convert_frame").addFilter(_RecompileLimitFilter())
+        logging.getLogger(capture.RECOMPILE_LIMIT_LOGGER).addFilter(_RecompileLimitFilter())
 
 
 def _fingerprint(target: nn.Module) -> tuple:
