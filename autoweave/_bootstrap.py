@@ -107,6 +107,10 @@ def _on_torch_import(module: "Any") -> None:
         from autoweave import patches
 
         patches.apply_torch(settings())
+    with guard("applying TORCH_LOGS to the autoweave logger"):  # autoweave/_torchlogs.py
+        from autoweave import _torchlogs
+
+        _torchlogs.register(settings())
 
 
 def _on_checkpoint_wrapper_import(module: "Any") -> None:

@@ -8,6 +8,7 @@ traceback deep inside a patch.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 from typing import Any
 
@@ -137,3 +138,47 @@ def compile_callbacks() -> Any:
         return _first("torch._dynamo.callback.callback_handler")
     except UnsupportedTorch:
         return None
+
+
+@functools.cache
+def torch_logging_internal() -> Any:
+    """``torch._logging._internal`` when it has what ``_torchlogs`` uses, else None."""
+    import importlib
+
+    try:
+        internal = importlib.import_module("torch._logging._internal")
+    except ImportError:
+        return None
+    needed = ("log_registry", "register_log", "_is_torch_handler", "_setup_handlers")
+    return internal if all(hasattr(internal, name) for name in needed) else None
+
+
+@functools.cache
+def _dynamo_compile_code() -> Any:
+    try:
+        from torch._dynamo import convert_frame
+
+        return inspect.unwrap(convert_frame._compile).__code__
+    except (ImportError, AttributeError):
+        return None
+
+
+def code_being_compiled() -> Any:
+    """The code object dynamo is compiling now (the ``code`` argument of its ``_compile``), or None.
+
+    dynamo's compile-start callbacks are told the compile id, not the frame; the
+    frame is an argument of ``torch._dynamo.convert_frame._compile``, up the stack.
+    """
+    import sys
+    import types
+
+    target = _dynamo_compile_code()
+    if target is None:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is target:
+            code = frame.f_locals.get("code")
+            return code if isinstance(code, types.CodeType) else None
+        frame = frame.f_back
+    return None

@@ -55,6 +55,10 @@ def configure_default() -> None:
     """
     if _handler is not None or rank() != 0:
         return
+    from autoweave._torchlogs import requested_level  # TORCH_LOGS names autoweave: torch's switch decides
+
+    if requested_level() is not None:
+        return
     if logger.level == logging.NOTSET or logger.level > SUMMARY:
         if logging.getLogger().handlers:
             logger.setLevel(SUMMARY)

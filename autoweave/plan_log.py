@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoweave import report
+from autoweave import _trace, report
 from autoweave._log import SUMMARY, logger, rank
 from autoweave.planner import Action, Plan
 
@@ -238,6 +238,7 @@ def _record(dispatcher: Any, plan: Plan, caller: Any) -> Entry:
             _unsummarised.append(key)
         pending = True
     report.on_plan(entry)
+    _trace.emit_plan(entry)  # TORCH_TRACE: the plan as a structured-trace artifact (autoweave/_trace.py)
     return entry
 
 

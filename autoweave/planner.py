@@ -11,6 +11,7 @@ runs eager, forward and recompute), which is the loss autoweave exists to avoid.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _compat, boundaries
+from autoweave import _compat, _where, boundaries
 
 Classifier = Callable[[nn.Module], "str | None"]
 
@@ -78,6 +79,12 @@ class Plan:
     # checkpoint_wrapper(torch.compile(block)) under selective AC: the enclosing
     # wrapper's checkpoint, moved into this plan's regions (the wrapper stops checkpointing).
     outer_push_down: CheckpointSpec | None = None
+    # Where each boundary sits in the user's source (path -> _where.Source), for messages.
+    sources: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+
+    def source(self, path: str) -> Any:
+        """The boundary at ``path``'s place in the user's source (``_where.Source``), or None."""
+        return dict(self.sources).get(path)
 
     def regions(self) -> list[Decision]:
         return [d for d in self.decisions if d.region]
@@ -408,6 +415,27 @@ def plan(
     policy honoured), ``siblings`` (eager AC around children compiled one by
     one), ``auto`` (hoist for full AC, push-down for selective AC).
     """
+    found_plan = _plan(
+        module, mode=mode, strategy=strategy, fullgraph=fullgraph, classify=classify, outer_ac=outer_ac
+    )
+    target = unwrap(module)
+    sources = tuple(
+        (path, source)
+        for path, _ in found_plan.boundaries
+        if (source := _where.boundary_source(target, path))
+    )
+    return dataclasses.replace(found_plan, sources=sources)
+
+
+def _plan(
+    module: nn.Module,
+    *,
+    mode: str,
+    strategy: str,
+    fullgraph: bool,
+    classify: Classifier | None,
+    outer_ac: CheckpointSpec | None,
+) -> Plan:
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} not understood (accepted: {', '.join(MODES)})")
     if strategy not in STRATEGIES:

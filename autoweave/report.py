@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoweave import capture, plan_log
+from autoweave import _where, capture, plan_log
 from autoweave._log import logger, rank, world_size
 
 # -- the report: counting what compiled ---------------------------------------------------
@@ -115,6 +115,7 @@ class _Stats:
         from autoweave import _compat
 
         self.fallbacks.install()
+        _where.watch_graph_breaks()  # the user's line of each graph break (autoweave/_where.py)
         logging.getLogger(capture.RECOMPILE_LIMIT_LOGGER).addFilter(self._filter)
         self._callbacks = _compat.compile_callbacks()
         if self._callbacks is not None:
@@ -216,6 +217,7 @@ class _Stats:
                             "action": d.action.value,
                             "reason": d.reason,
                             "region": entry.regions.get(d.path),
+                            "source": _where.source_dict(entry.plan, d.path),  # autoweave/_where.py
                         }
                         for d in entry.plan.decisions
                     ],
@@ -248,10 +250,12 @@ class _Stats:
                 "compile_s": round(self.compile_s, 4),
                 "graph_breaks": sum(breaks.values()),
                 "graph_break_reasons": dict(breaks.most_common()),
+                "graph_break_sites": _where.graph_break_sites(breaks),  # autoweave/_where.py
                 "recompile_limit_hits": list(self.limit_hits),
             },
             "ac_fallbacks": {
                 "count": self.fallbacks.count,
+                "sites": _where.fallback_sites(),  # autoweave/_where.py
                 "messages": [{"message": m, "count": n} for m, n in fallback_messages.most_common()],
             },
         }
@@ -405,7 +409,8 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
     for reason, count in dyn["graph_break_reasons"].items():
         reasons[reason.splitlines()[0][:100] if reason else "?"] += count
     for reason, count in reasons.most_common(3):
-        lines.append(f"    break x{count}: {reason}")
+        site = _where.first_site(dyn.get("graph_break_sites", {}), reason)  # autoweave/_where.py
+        lines.append(f"    break x{count}: {reason}{site}")
     for hit in dyn["recompile_limit_hits"][:2]:
         lines.append(f"    limit: {hit[:100]}")
     if fallbacks["count"]:

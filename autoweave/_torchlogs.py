@@ -1,0 +1,83 @@
+"""``TORCH_LOGS=autoweave``: the ``autoweave`` logger answers torch's logging switch like torch's own.
+
+``TORCH_LOGS=autoweave`` shows autoweave's INFO lines, ``+autoweave`` its DEBUG
+lines, ``-autoweave`` only its errors (the default plan summary too is hidden),
+with torch's handler and format, as for ``TORCH_LOGS=dynamo``.
+
+torch reads ``TORCH_LOGS`` while it is imported, before autoweave's import hook
+runs, so ``register`` (called from that hook) applies the setting for our
+logger itself; it is idempotent and never undoes what torch already did.
+``AUTOWEAVE_LOG_LEVEL``, being more specific, wins over ``TORCH_LOGS`` for the
+``autoweave`` logger: its level and autoweave's own rank-prefixed handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from autoweave._log import logger
+
+ALIAS = "autoweave"
+TORCH_LOGS = "TORCH_LOGS"
+TORCH_LOGS_OUT = "TORCH_LOGS_OUT"
+
+
+def requested_level(environ: dict[str, str] | None = None) -> int | None:
+    """The level ``TORCH_LOGS`` asks for the ``autoweave`` logger, or ``None`` when it does not name it.
+
+    Mirrors torch's parser: ``+name`` is DEBUG, ``-name`` ERROR, ``name`` INFO.
+    ``all`` means torch's own loggers, not ours. Standard library only: the
+    plan summary asks this before deciding to show itself.
+    """
+    value = (os.environ if environ is None else environ).get(TORCH_LOGS, "")
+    level = None
+    for item in value.replace(" ", "").strip("'\"").split(","):
+        name = item.lstrip("+-")
+        if name != ALIAS:
+            continue
+        level = (
+            logging.DEBUG if item.startswith("+") else logging.ERROR if item.startswith("-") else logging.INFO
+        )
+    return level
+
+
+def register(settings: object) -> None:
+    """Put ``autoweave`` in torch's log registry and apply ``TORCH_LOGS`` to it (once torch is imported)."""
+    internal = _internal()
+    if internal is None:
+        return
+    # Registered only when TORCH_LOGS is set: torch then ignores set_logs(), so its
+    # logging is never re-initialised. Registered without it, a later
+    # set_logs(dynamo=...) would reset our logger (level, handlers, propagation)
+    # even though the user asked nothing about autoweave.
+    if TORCH_LOGS in os.environ and not internal.log_registry.is_log(ALIAS):
+        internal.register_log(ALIAS, ALIAS)
+    level = requested_level()
+    if level is None:
+        return
+    if getattr(settings, "log_level", None) is not None:
+        _drop_torch_handlers(internal)
+        return
+    # torch usually did this already (it accepts any importable module name in
+    # TORCH_LOGS); a torch that did not gets the same result here.
+    logger.setLevel(level)
+    logger.propagate = False
+    if not any(internal._is_torch_handler(h) for h in logger.handlers):
+        internal._setup_handlers(logging.StreamHandler, logger)
+        out = os.environ.get(TORCH_LOGS_OUT)
+        if out:
+            internal._setup_handlers(lambda: logging.FileHandler(out), logger)
+
+
+def _drop_torch_handlers(internal: object) -> None:
+    # AUTOWEAVE_LOG_LEVEL attached our handler already: one handler, one line per record.
+    for handler in [h for h in logger.handlers if internal._is_torch_handler(h)]:  # type: ignore[attr-defined]
+        logger.removeHandler(handler)
+    logger.propagate = True
+
+
+def _internal() -> object | None:
+    from autoweave import _compat
+
+    return _compat.torch_logging_internal()

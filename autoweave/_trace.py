@@ -1,0 +1,161 @@
+"""``TORCH_TRACE=<dir>``: autoweave's plans and woven regions in torch's structured trace (read by tlparse).
+
+Two artifacts, both JSON:
+
+* ``autoweave_plan``, one per plan, when the plan is made. A plan is made at the
+  compiled module's first call, before any of its regions compile, so it carries
+  no compile id (tlparse lists it with the process-wide artifacts) unless it is
+  made inside another compile.
+* ``autoweave_region``, at each dynamo compile of a woven region's code (its
+  first compile, recompiles, and the resume functions dynamo makes at a graph
+  break inside it): emitted from dynamo's compile-start callback, inside the
+  compile's context, so it lands on that compile's page, next to the graphs.
+
+Nothing is registered or emitted unless a structured trace is being written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from typing import Any
+
+from autoweave import _where
+from autoweave._log import logger
+
+PLAN_ARTIFACT = "autoweave_plan"
+REGION_ARTIFACT = "autoweave_region"
+# Names dynamo gives the functions that resume a frame after a graph break.
+_RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
+
+_lock = threading.Lock()
+_regions: dict[str, dict[str, Any]] = {}  # region label -> what the region artifact says
+_callback_installed = False
+
+
+def enabled() -> bool:
+    """Is torch writing a structured trace (``TORCH_TRACE``, ``TORCH_DTRACE``, ``TORCH_COMPILE_DEBUG=1``)?"""
+    return bool(
+        os.environ.get("TORCH_TRACE")
+        or os.environ.get("TORCH_DTRACE")
+        or os.environ.get("TORCH_COMPILE_DEBUG", "0") == "1"
+    )
+
+
+def plan_payload(entry: Any) -> dict[str, Any]:
+    """A recorded plan (``plan_log.Entry``) as the ``autoweave_plan`` artifact shows it."""
+    from autoweave import plan_log
+
+    plan = entry.plan
+    return {
+        "name": entry.shown,
+        "type": entry.type_name,
+        "woven": plan.woven,
+        "mode": plan.mode,
+        "strategy": plan.strategy,
+        "summary": plan_log.format_plan(plan, name=entry.name, type_name=entry.type_name),
+        "decisions": [
+            {
+                "path": plan_log._join(entry.name, d.path),
+                "type": d.module_type,
+                "action": d.action.value,
+                "reason": d.reason,
+                "region": entry.regions.get(d.path),
+                "source": _where.source_dict(plan, d.path),
+            }
+            for d in plan.decisions
+        ],
+        "boundaries": [
+            {"path": plan_log._join(entry.name, path), "kind": kind, "source": _where.source_dict(plan, path)}
+            for path, kind in plan.boundaries
+        ],
+    }
+
+
+def emit_plan(entry: Any) -> None:
+    """``plan_log.record_plan``: write the plan, remember its regions for their compiles. Never raises."""
+    if not enabled():
+        return
+    try:
+        payload = plan_payload(entry)
+        with _lock:
+            for decision in payload["decisions"]:
+                label = decision["region"]
+                if label is None:
+                    continue
+                region = _regions.setdefault(label, {"label": label, "modules": [], "decisions": []})
+                if decision["path"] not in region["modules"]:
+                    region["modules"].append(decision["path"])
+                    region["decisions"].append(decision)
+        _install_callback()
+        _emit(PLAN_ARTIFACT, payload)
+    except Exception:
+        logger.debug("could not write the plan of %s to the structured trace", entry.shown, exc_info=True)
+
+
+def emit_region(label: str, *, code_name: str) -> None:
+    """Write what autoweave knows of region ``label``; called while dynamo compiles its code."""
+    with _lock:
+        known = _regions.get(label)
+        payload = dict(known) if known is not None else {"label": label, "modules": [], "decisions": []}
+    payload["code"] = code_name
+    payload["resume"] = code_name != label
+    _emit(REGION_ARTIFACT, payload)
+
+
+def region_label(code_name: str) -> str | None:
+    """The woven region a code object belongs to (resume functions included), or None."""
+    for _ in range(8):  # resume functions of resume functions
+        match = _RESUME.match(code_name)
+        if match is None:
+            break
+        code_name = match.group(1)
+    with _lock:
+        return code_name if code_name in _regions else None
+
+
+def _on_compile_start(args: Any = None, *_: Any) -> None:
+    # Runs inside dynamo's compile context: trace_structured attaches its compile id.
+    try:
+        from autoweave import _compat
+
+        code = _compat.code_being_compiled()
+        if code is None:
+            return
+        label = region_label(code.co_name)
+        if label is not None:
+            emit_region(label, code_name=code.co_name)
+    except Exception:
+        logger.debug("could not write a region to the structured trace", exc_info=True)
+
+
+def _install_callback() -> None:
+    global _callback_installed
+    with _lock:
+        if _callback_installed:
+            return
+        _callback_installed = True
+    from autoweave import _compat
+
+    callbacks = _compat.compile_callbacks()
+    if callbacks is not None:
+        callbacks.register_start_callback(_on_compile_start)
+
+
+def _emit(name: str, payload: dict[str, Any]) -> None:
+    import torch._logging
+
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "json"},
+        payload_fn=lambda: payload,
+        # Plans are made outside any compile: no stack dump for a missing compile id.
+        expect_trace_id=False,
+    )
+
+
+def reset() -> None:
+    """Forget known regions (tests)."""
+    with _lock:
+        _regions.clear()
