@@ -64,7 +64,8 @@ def register(settings: object) -> None:
     logger.setLevel(level)
     logger.propagate = False
     if not any(internal._is_torch_handler(h) for h in logger.handlers):
-        internal._setup_handlers(logging.StreamHandler, logger)
+        # torch 2.14 writes to whatever sys.stderr is now (_StderrHandler); 2.13 a StreamHandler.
+        internal._setup_handlers(getattr(internal, "_StderrHandler", logging.StreamHandler), logger)
         out = os.environ.get(TORCH_LOGS_OUT)
         if out:
             internal._setup_handlers(lambda: logging.FileHandler(out), logger)
