@@ -74,3 +74,17 @@ def test_example_trace_shows_autoweave_artifacts_in_tlparse(tmp_path: Path) -> N
     assert decision["source"]["call"].startswith(f"{EXAMPLE}:")
     # Written at the region's first compile, during layers.1's first call (layers 2-3 share it later).
     assert experts[0]["modules"][0] == "layers.1.moe.experts"
+
+
+def test_region_label_sees_through_resume_functions() -> None:
+    from autoweave import _trace
+
+    _trace._regions["autoweave_Block_x_1"] = {"label": "autoweave_Block_x_1", "modules": [], "decisions": []}
+    try:
+        assert _trace.region_label("autoweave_Block_x_1") == "autoweave_Block_x_1"
+        resume = "torch_dynamo_resume_in_torch_dynamo_resume_in_autoweave_Block_x_1_at_190_at_193"
+        assert _trace.region_label(resume) == "autoweave_Block_x_1"
+        assert _trace.region_label("autoweave_Block_x_12") is None  # another region, not a prefix match
+        assert _trace.region_label("forward") is None
+    finally:
+        _trace.reset()
