@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoweave import report
+from autoweave._instances import dispatcher_of
 from autoweave._log import SUMMARY, logger, rank
 from autoweave.planner import Action, Plan
 
@@ -189,9 +190,7 @@ def qualified_name(target: Any, dispatcher: Any = None, *, frame: Any = None) ->
         owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
         if isinstance(owner, nn.Module) and owner is not current:
             if current is None:
-                if owner is target or (
-                    dispatcher is not None and owner.__dict__.get("_autoweave_dispatcher") is dispatcher
-                ):
+                if owner is target or (dispatcher is not None and dispatcher_of(owner) is dispatcher):
                     current = owner
             else:
                 found = _path_in(owner, current)

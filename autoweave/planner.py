@@ -88,6 +88,13 @@ class Plan:
                 return d
         return None
 
+    def plain_instead(self, reason: str) -> Plan:
+        """This plan given up for plain torch.compile (the weave failed), saying why."""
+        decision = Decision("", self.root_type, Action.PLAIN, reason)
+        return Plan(
+            self.root_type, False, self.mode, self.strategy, self.fullgraph, (decision,), self.boundaries
+        )
+
     def summary(self) -> str:
         if not self.woven:
             return f"{self.root_type}: {self.decisions[0].reason}"
