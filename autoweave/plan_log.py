@@ -277,3 +277,11 @@ def reset() -> None:
         _entries.clear()
         _unsummarised.clear()
         pending = False
+
+
+def name_of(dispatcher: Any) -> str:
+    """How the summary names a compile target: ``layers.3 (Block)``, or its type alone."""
+    with _lock:
+        entry = _entries.get(id(dispatcher))
+    type_name = inner_type(dispatcher.target)
+    return f"{entry.name} ({type_name})" if entry is not None and entry.name else type_name

@@ -270,9 +270,10 @@ class _Dispatcher:
         try:
             out = self._eager(*args, **kwargs)
         except Exception as exc:
+            name = plan_log.name_of(self)
             if _strict():
                 raise AutoweaveError(
-                    f"autoweave: the woven regions of {type(self.target).__name__} failed at their first call"
+                    f"autoweave: the woven regions of {name} failed at their first call"
                 ) from exc
             with self._lock:
                 plan = self.plan
@@ -298,7 +299,7 @@ class _Dispatcher:
                     plan_log.record_plan(self, self.plan)
             warn_each(
                 f"first-call:{id(self)}",
-                f"[weave-failed] the compiled regions of {type(self.target).__name__} failed at their "
+                f"[weave-failed] the compiled regions of {name} failed at their "
                 f"first call ({why}); it runs as plain torch.compile would from now on. "
                 "Set AUTOWEAVE_STRICT=1 to raise, AUTOWEAVE_LOG_LEVEL=debug for the traceback.",
             )
