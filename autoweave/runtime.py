@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _bootstrap, _changes, _instances, capture, plan_log, planner, report, weave
+from autoweave import _bootstrap, _changes, _instances, breaks, capture, plan_log, planner, report, weave
 from autoweave._failopen import AutoweaveError, _strict, guard, warn_each
 from autoweave._log import logger
 
@@ -157,6 +157,9 @@ def _fingerprint(target: nn.Module) -> tuple:
     return tuple((name, type(m), getattr(m, MARK, None)) for name, m in target.named_modules())
 
 
+_live: weakref.WeakSet[_Dispatcher] = weakref.WeakSet()
+
+
 class _Dispatcher:
     """Stands in for a compiled forward until the first call, then runs the plan.
 
@@ -190,6 +193,10 @@ class _Dispatcher:
         self.plan: planner.Plan | None = None
         self.outer: Callable[[], nn.Module | None] | None = None  # weakref to an enclosing AC wrapper
         self.skip_outer_checkpoint = False  # the enclosing wrapper's AC moved into the regions
+        self._call_traced = True  # torch.compile(module) traces __call__; in-place compile does not
+        # What a first-call fallback taught (modules that break, planning options): kept for re-plans.
+        self._learned: dict[str, Any] = {}
+        _live.add(self)
 
     # How the dispatcher is put in place -------------------------------------------------
 
@@ -211,6 +218,7 @@ class _Dispatcher:
         if previous is not None:
             previous.release()  # compiled twice (pipeline stages do): one layer only
         dispatcher = cls(module, compile_kwargs, lambda: plain, module._call_impl)
+        dispatcher._call_traced = False
         # nn.Module drops _compiled_call_impl when pickled or copied, so a copy
         # is what plain torch makes: an uncompiled module.
         module._compiled_call_impl = dispatcher
@@ -259,16 +267,24 @@ class _Dispatcher:
             watching, self._watch_first_call = self._watch_first_call, False
         if not watching:
             return plain(*args, **kwargs)
-        with capture.FallbackCounter() as watch:
+        with capture.FallbackCounter() as watch, breaks.BreakWatch() as where:
             out = plain(*args, **kwargs)
         if watch.count:
-            self._on_hidden_fallback()
+            self._on_hidden_fallback(where.stacks)
         return out
 
     def _first_woven_call(self, args: tuple, kwargs: dict) -> Any:
-        """The woven regions compile now: a failure plain torch would not hit falls back to it."""
+        """The woven regions compile now: a failure plain torch would not hit falls back to it.
+
+        Also the second safety net: a region compiled under a pushed-down
+        checkpoint may still hold a break nobody located yet (a second one in
+        the same block); dynamo's fallback message then re-plans around it too.
+        """
         try:
-            out = self._eager(*args, **kwargs)
+            with capture.FallbackCounter() as watch, breaks.BreakWatch() as where:
+                out = self._eager(*args, **kwargs)
+            if watch.count:
+                self._on_hidden_fallback(where.stacks)
         except Exception as exc:
             name = plan_log.name_of(self)
             if _strict():
@@ -322,22 +338,35 @@ class _Dispatcher:
         strategy = getattr(self.target, STRATEGY_ATTR, None) or settings.strategy
         with guard(f"planning {type(self.target).__name__}") as failed:
             outer = self.outer() if self.outer is not None else None
+            options: dict[str, Any] = {
+                "mode": mode,
+                "strategy": strategy,
+                "breaks": breaks.known(self.target),
+            }
+            options.update(self._learned)
             plan = planner.plan(
                 self.target,
-                mode=mode,
-                strategy=strategy,
                 fullgraph=bool(self.compile_kwargs.get("fullgraph")),
                 outer_ac=planner.checkpoint_spec(outer) if outer is not None else None,
+                call_traced=self._call_traced,
+                **options,
             )
             self._apply(plan)
         if failed:
             self.plan = None
             self._applied = None
-        # A boundary inside that plain torch copes with, unless a checkpoint
-        # hides in the forward's code: watch the first plain call for dynamo's
-        # fallback message and weave if it appears.
+        # Compiled plain, but a checkpoint is traced: any graph break under it
+        # (a boundary whose checkpoint hides in code, a data-dependent op, a
+        # print) would make dynamo run it eager. Watch the first call for
+        # dynamo's fallback message and weave around the break if it appears.
         self._watch_first_call = (
-            self._applied is None and self.plan is not None and bool(self.plan.boundaries) and mode == "auto"
+            self._applied is None
+            and self.plan is not None
+            and mode == "auto"
+            and (
+                bool(self.plan.boundaries)
+                or planner.traces_checkpoint(self.target, call_traced=self._call_traced)
+            )
         )
         self._fingerprint = fingerprint
 
@@ -353,21 +382,45 @@ class _Dispatcher:
         logger.debug("%s", plan.summary())
         plan_log.record_plan(self, plan)
 
-    def _on_hidden_fallback(self) -> None:
+    def _on_hidden_fallback(self, stacks: list[tuple[str, list[Any]]]) -> None:
         with self._lock, guard(f"re-planning {type(self.target).__name__}"):
+            target = planner.unwrap(self.target)
+            located = breaks.locate(target, stacks)
+            spec = planner.checkpoint_spec(target)
+            if not located and spec is not None:
+                # No location from dynamo: the wrapped block breaks somewhere; hoist
+                # (or push-down) around it still compiles all but the break.
+                located = {
+                    id(target._checkpoint_wrapped_module): "a graph break inside (dynamo gave no location)"
+                }
+            settings = _bootstrap.settings()
+            mode = getattr(self.target, MODE_ATTR, None) or settings.mode
+            strategy = getattr(self.target, STRATEGY_ATTR, None) or settings.strategy
+            fullgraph = bool(self.compile_kwargs.get("fullgraph"))
+            breaks.learn(target, located)
+            located = {**breaks.known(target), **self._learned.get("breaks", {}), **located}
+            learned: dict[str, Any] = {"breaks": located}
+            plan = planner.plan(target, mode=mode, strategy=strategy, fullgraph=fullgraph, breaks=located)
+            if not plan.woven:
+                # The checkpoint is in code autoweave could not read (the target's
+                # own forward): weave its children one by one, around that code.
+                learned.update(mode="always", strategy="siblings")
+                plan = planner.plan(target, fullgraph=fullgraph, **learned)
+            self._learned = learned
             logger.info(
-                "%s: dynamo fell back to eager on a checkpoint inside its forward; "
-                "weaving its children from the next call on",
-                type(self.target).__name__,
+                "%s: dynamo ran a checkpointed region eager at the first call (%s); woven from the next call on",
+                plan_log.name_of(self),
+                "; ".join(sorted(set(located.values()))) or "location unknown",
             )
             # Applied at the next call, not now: this call's backward will
             # recompute its checkpoints through the modules as they ran.
-            self._pending = planner.plan(
-                self.target,
-                mode="always",
-                strategy="siblings",
-                fullgraph=bool(self.compile_kwargs.get("fullgraph")),
-            )
+            self._pending = plan
+        # Blocks running the same code met the same break, silently (the
+        # fallback is cached for the wrapper's code): each re-plans at its next call.
+        for other in list(_live):
+            if other is not self:
+                other._fingerprint = None
+        _changes.bump()
 
     def _apply_pending(self) -> None:
         with self._lock, guard(f"weaving {type(self.target).__name__}") as failed:

@@ -213,6 +213,8 @@ def apply_plan(
                 applied.regions[decision.path] = label
             elif decision.action is Action.PUSH_DOWN:
                 forward = _without_checkpoint(module)
+            elif decision.action is Action.EAGER and decision.checkpoint is not None:
+                forward = _with_checkpoint(user_forward(module), decision.checkpoint)
             if decision.opaque:
                 # Keep this checkpointed module out of the enclosing region's
                 # trace: dynamo breaks the graph here instead of giving up on
