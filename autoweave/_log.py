@@ -20,6 +20,7 @@ SUMMARY = 25
 logging.addLevelName(SUMMARY, "SUMMARY")
 
 _handler: logging.Handler | None = None
+FORMAT = "[autoweave rank%(autoweave_rank)s] %(levelname)s %(message)s"
 # The (rank, world size) last read from an initialized process group: the job
 # may destroy the group before exit, when the report still needs the rank.
 _seen: tuple[int, int] | None = None
@@ -111,9 +112,7 @@ def _attach(level: int | str) -> None:
     global _handler
     if _handler is None:
         _handler = _StderrHandler()
-        _handler.setFormatter(
-            logging.Formatter("[autoweave rank%(autoweave_rank)s] %(levelname)s %(message)s")
-        )
+        _handler.setFormatter(logging.Formatter(FORMAT))
         logger.addHandler(_handler)
     logger.setLevel(level)
 

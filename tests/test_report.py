@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import capture, plan_log, report
+from autoweave import _log, capture, plan_log, report
 from autoweave._settings import Settings
 from tests.models import Block
 
@@ -285,3 +285,42 @@ def test_exit_output_never_raises_when_stderr_was_closed(tmp_path: Path, code: s
     for needle in ("Traceback", "ValueError", "Logging error", "Exception ignored"):
         assert needle not in output, output
     assert json.loads((tmp_path / "r0.json").read_text())["totals"]["modules"] >= 1
+
+
+# -- the rank, decided late -----------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_rank(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(_log, "_seen", None)
+    yield monkeypatch
+
+
+def test_log_lines_carry_the_rank_at_the_time_of_the_record(fresh_rank, capsys) -> None:
+    handler = _log._StderrHandler()
+    handler.setFormatter(logging.Formatter(_log.FORMAT))
+    record = logging.LogRecord("autoweave", logging.WARNING, __file__, 1, "hello", None, None)
+    handler.handle(record)
+    fresh_rank.setenv("RANK", "3")  # the handler was made before the rank was known
+    handler.handle(record)
+    assert capsys.readouterr().err.splitlines() == [
+        "[autoweave rank0] WARNING hello",
+        "[autoweave rank3] WARNING hello",
+    ]
+
+
+def test_rank_comes_from_the_process_group_and_outlives_it(fresh_rank, tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    assert (_log.rank(), _log.world_size(), _log.distributed()) == (0, 1, False)
+    fresh_rank.setenv("RANK", "5")
+    fresh_rank.setenv("WORLD_SIZE", "8")
+    assert (_log.rank(), _log.world_size()) == (5, 8)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert (_log.rank(), _log.world_size(), _log.distributed()) == (0, 1, True)  # the group wins
+    finally:
+        dist.destroy_process_group()
+    assert (_log.rank(), _log.world_size()) == (0, 1)  # remembered: the report is written later
