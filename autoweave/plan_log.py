@@ -221,6 +221,7 @@ def record_plan(dispatcher: Any, plan: Plan) -> Entry | None:
 
 def _record(dispatcher: Any, plan: Plan, caller: Any) -> Entry:
     global pending
+    rank()  # remember the process group's rank while it exists: the summary may come at exit
     target = dispatcher.target
     applied = getattr(dispatcher, "_applied", None)
     entry = Entry(
