@@ -113,7 +113,7 @@ def test_function_compile_is_untouched():
     compiled = torch.compile(f, backend="eager")
     x = torch.randn(3)
     torch.testing.assert_close(compiled(x), f(x))
-    assert not hasattr(compiled, "_autoweave_dispatcher")
+    assert runtime.dispatcher_of(compiled) is None and not hasattr(compiled, "__autoweave_prior__")
 
 
 def test_mode_off_and_per_module_override():
