@@ -9,7 +9,7 @@ import torch
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import _where, planner, report
+from autoweave import _where, plan_log, planner, report
 from tests import models
 
 
@@ -103,5 +103,6 @@ def test_report_decisions_carry_the_boundary_source() -> None:
         report.stop()
         autoweave.disable()
         torch._dynamo.reset()
+        plan_log.reset()  # no summary of this plan at the test run's exit
     decisions = [d for p in data["plans"] for d in p["decisions"] if d["action"] == "boundary"]
     assert {"call": CALL, "forward": FORWARD} in [d["source"] for d in decisions]
