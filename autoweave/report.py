@@ -104,6 +104,7 @@ class _Stats:
         self.started = time.time()
         self.regions: dict[str, RegionStats] = {}
         self.limit_hits: list[str] = []
+        self.woven_around = 0
         self.compile_s = 0.0
         self.compiles = 0
         self.recompiles = 0
@@ -206,13 +207,17 @@ class _Stats:
             breaks = Counter(dict(counters.get("graph_break", {})))
         except Exception:  # pragma: no cover - private counters moved
             stats, breaks = {}, Counter()
+        # A plain compile whose module was re-planned woven after its first call
+        # ran once: reported, but not as live and not in the totals.
+        replaced = {e.plain_label for e in plan_log.entries() if e.plan.woven and e.plain_label}
         regions = [
-            r.as_dict()
+            {**r.as_dict(), "live": r.label not in replaced}
             for r in self.regions.values()
             if r.kind != "plain"
             or r.modules
             or r.capture.graph_count  # a woven module's unused plain compile
         ]
+        live = [r for r in regions if r["live"]]
         fallback_messages = Counter(m.strip().splitlines()[0] for m in self.fallbacks.messages if m.strip())
         plans = []
         for entry in plan_log.entries():
@@ -251,10 +256,10 @@ class _Stats:
             "totals": {
                 "modules": len(plans),
                 "woven": sum(1 for p in plans if p["woven"]),
-                "graphs": sum(r["graphs"] for r in regions),
-                "ops": sum(r["ops"] for r in regions),
-                "compile_s": round(sum(r["compile_s"] for r in regions), 4),
-                "backend_s": round(sum(r["backend_s"] for r in regions), 4),
+                "graphs": sum(r["graphs"] for r in live),
+                "ops": sum(r["ops"] for r in live),
+                "compile_s": round(sum(r["compile_s"] for r in live), 4),
+                "backend_s": round(sum(r["backend_s"] for r in live), 4),
             },
             "dynamo": {
                 "unique_graphs": int(stats.get("unique_graphs", 0)),
@@ -269,6 +274,8 @@ class _Stats:
             },
             "ac_fallbacks": {
                 "count": self.fallbacks.count,
+                # Seen at a first call, then compiled around from the next call on.
+                "woven_around": min(self.woven_around, self.fallbacks.count),
                 "sites": _where.fallback_sites(),  # autoweave/_where.py
                 "messages": [{"message": m, "count": n} for m, n in fallback_messages.most_common()],
             },
@@ -283,6 +290,13 @@ _plain_labels: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 def plain_label(module: Any) -> str | None:
     """The label under which a plain (not woven) compile of ``module`` is counted."""
     return _plain_labels.get(module)
+
+
+def on_woven_around(fallbacks: int) -> None:
+    """A first call fell back (``fallbacks`` messages); autoweave re-planned around the break."""
+    if _stats is not None:
+        with _lock:
+            _stats.woven_around += fallbacks
 
 
 def on_plan(entry: Any) -> None:
@@ -413,6 +427,7 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
         lines.append(
             f"    {where}: {region['graphs']} graphs, {region['ops']} ops, "
             f"{region['recompiles']} recompiles, {region['compile_s']:.2f} s"
+            + ("" if region.get("live", True) else " (first call only, replaced by the weave)")
         )
     lines.append(
         f"  dynamo (whole process): {dyn['unique_graphs']} graphs, {dyn['compiles']} compiles, "
@@ -427,9 +442,15 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
         lines.append(f"    break x{count}: {reason}{site}")
     for hit in dyn["recompile_limit_hits"][:2]:
         lines.append(f"    limit: {hit[:100]}")
-    if fallbacks["count"]:
+    around = fallbacks.get("woven_around", 0)
+    if around:
         lines.append(
-            f"  WARNING: {fallbacks['count']} checkpointed region(s) fell back to eager "
+            f"  {around} checkpointed region(s) fell back to eager at their first call only: autoweave "
+            "located the break and compiles around it from the next call on"
+        )
+    if fallbacks["count"] > around:
+        lines.append(
+            f"  WARNING: {fallbacks['count'] - around} checkpointed region(s) fell back to eager "
             "(forward and recompute ran uncompiled)"
         )
         for item in fallbacks["messages"][:2]:
@@ -439,7 +460,7 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
                 "    these compiles were not woven: with AUTOWEAVE=1 (and outside autoweave.disabled()) "
                 "autoweave compiles around the boundaries"
             )
-    else:
+    elif not around:
         lines.append("  checkpointed regions that fell back to eager: 0")
     return "\n".join(lines)
 

@@ -271,6 +271,7 @@ class _Dispatcher:
             out = plain(*args, **kwargs)
         if watch.count:
             self._on_hidden_fallback(where.stacks)
+            report.on_woven_around(watch.count)
         return out
 
     def _first_woven_call(self, args: tuple, kwargs: dict) -> Any:
@@ -285,6 +286,7 @@ class _Dispatcher:
                 out = self._eager(*args, **kwargs)
             if watch.count:
                 self._on_hidden_fallback(where.stacks)
+                report.on_woven_around(watch.count)
         except Exception as exc:
             name = plan_log.name_of(self)
             if _strict():

@@ -234,3 +234,27 @@ def test_whole_model_compile_is_woven_from_the_first_step(how, ac):
         layer_module.compile(backend=BACKEND)
     _train(per_block, x, steps=2)
     assert _eager_gemms(compiled, x) == _eager_gemms(per_block, x) == 1
+
+
+def test_report_tells_a_one_time_first_call_fallback_from_a_lasting_one():
+    from autoweave import plan_log, report
+
+    plan_log.reset()
+    report.start(None)
+    try:
+        torch.manual_seed(0)
+        model = torch.compile(_ac(bm.BreakBlock(), "full"), backend=BACKEND)
+        got = _train(model, torch.randn(6, bm.DIM))
+        data = report.snapshot()
+    finally:
+        report.stop()
+    assert got["fallbacks"] == [1, 0, 0]
+    assert data["ac_fallbacks"]["count"] == data["ac_fallbacks"]["woven_around"] == 1
+    plain = [r for r in data["regions"] if r["kind"] == "plain"]
+    woven = [r for r in data["regions"] if r["kind"] == "woven"]
+    assert plain and not any(r["live"] for r in plain)  # compiled at the first call, replaced since
+    assert woven and all(r["live"] for r in woven)
+    assert data["totals"]["graphs"] == sum(r["graphs"] for r in woven)
+    summary = report.format_exit_summary(data, None)
+    assert "WARNING" not in summary
+    assert "at their first call only" in summary and "replaced by the weave" in summary
