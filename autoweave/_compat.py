@@ -152,3 +152,15 @@ def register_module_registration_hook(hook: Any) -> Any:
 
     register = getattr(module_mod, "register_module_module_registration_hook", None)
     return None if register is None else register(hook)
+
+
+def reset_code(code: Any) -> bool:
+    """Drop dynamo's cache entries for one code object (its next call recompiles); False if unsupported."""
+    try:
+        import torch._dynamo
+
+        reset = torch._dynamo.reset_code
+    except (ImportError, AttributeError):
+        return False
+    reset(code)
+    return True
