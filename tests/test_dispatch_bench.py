@@ -27,7 +27,8 @@ QUICK_ROWS = [
 ROW_KEYS = {
     "case", "submodules", "layers", "modules_per_unit", "plain_ms", "autoweave_ms", "ratio", "added_us",
     "paired_ratio", "meets", "woven", "planned", "recompile_limit_hits", "plain_samples_ms",
-    "autoweave_samples_ms", "error",
+    "autoweave_samples_ms", "plain_wall_ms", "autoweave_wall_ms", "plain_wall_samples_ms",
+    "autoweave_wall_samples_ms", "error",
 }  # fmt: skip
 
 
@@ -53,7 +54,8 @@ def test_quick_dispatch_benchmark(tmp_path: Path) -> None:
         assert set(row) == ROW_KEYS, case
         assert row["error"] is None, (case, row["error"])
         # Both sides ran every round, interleaved, and produced numbers.
-        assert len(row["plain_samples_ms"]) == len(row["autoweave_samples_ms"]) == rounds, case
+        for side in ("plain_samples_ms", "autoweave_samples_ms", "plain_wall_samples_ms", "autoweave_wall_samples_ms"):
+            assert len(row[side]) == rounds, (case, side)
         assert row["plain_ms"] > 0 and row["autoweave_ms"] > 0, case
         assert row["ratio"] == pytest.approx(row["autoweave_ms"] / row["plain_ms"]), case
         assert row["meets"] == (row["ratio"] <= 1.02), case
