@@ -54,7 +54,8 @@ def test_quick_dispatch_benchmark(tmp_path: Path) -> None:
         assert set(row) == ROW_KEYS, case
         assert row["error"] is None, (case, row["error"])
         # Both sides ran every round, interleaved, and produced numbers.
-        for side in ("plain_samples_ms", "autoweave_samples_ms", "plain_wall_samples_ms", "autoweave_wall_samples_ms"):
+        for side in ("plain", "autoweave", "plain_wall", "autoweave_wall"):
+            side = f"{side}_samples_ms"
             assert len(row[side]) == rounds, (case, side)
         assert row["plain_ms"] > 0 and row["autoweave_ms"] > 0, case
         assert row["ratio"] == pytest.approx(row["autoweave_ms"] / row["plain_ms"]), case

@@ -318,7 +318,8 @@ def test_32_layer_mixed_dense_and_moe_stack_no_fallback_no_recompile_limit(compi
         layers.append(wrapped)
     stack = nn.Sequential(*layers)
     x = torch.randn(4, 8)
-    with capture.FallbackCounter() as fallbacks, caplog.at_level(logging.WARNING), RecompileLimitHits() as hits:
+    listeners = capture.FallbackCounter(), RecompileLimitHits()
+    with listeners[0] as fallbacks, listeners[1] as hits, caplog.at_level(logging.WARNING):
         for _ in range(2):
             out = stack(x)
             out.square().mean().backward()

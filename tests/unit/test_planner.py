@@ -72,7 +72,9 @@ def _separate_frame(path: str, modules: dict[str, nn.Module], by_path: dict[str,
     return boundaries.classify(modules[path]) is not None or (decision is not None and decision.opaque)
 
 
-def _owning_regions(path: str, modules: dict[str, nn.Module], by_path: dict[str, planner.Decision]) -> list[str]:
+def _owning_regions(
+    path: str, modules: dict[str, nn.Module], by_path: dict[str, planner.Decision]
+) -> list[str]:
     """The regions whose compiled graph holds the parameters of the module at ``path``.
 
     A region owns the parameters of every module its trace reaches: its own, and those of
@@ -126,7 +128,8 @@ def test_plan_invariants(spec, mode, strategy, fullgraph):
     for path, module in modules.items():
         for name, _ in module.named_parameters(recurse=False):
             owners = _owning_regions(path, modules, by_path)
-            assert len(owners) == 1, f"{path or '<root>'}.{name} is captured by regions {owners}, not exactly one"
+            where = f"{path or '<root>'}.{name}"
+            assert len(owners) == 1, f"{where} is captured by regions {owners}, not exactly one"
     # No traced checkpoint contains a boundary: each AC wrapper over a boundary is decided.
     for name, m in modules.items():
         if isinstance(m, CheckpointWrapper) and any(boundaries.classify(x) for x in m.modules() if x is not m):

@@ -284,9 +284,10 @@ def test_start_up_prechecks_agree_with_settings(monkeypatch: pytest.MonkeyPatch)
 
     from autoweave import _bootstrap
 
-    source = (REPO_ROOT / "sitecustomize" / "sitecustomize.py").read_text()
-    start = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "_start")
-    namespace: dict = {"os": os, "sys": sys, "__file__": str(REPO_ROOT / "sitecustomize" / "sitecustomize.py")}
+    shell = REPO_ROOT / "sitecustomize" / "sitecustomize.py"
+    tree = ast.parse(shell.read_text())
+    start = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_start")
+    namespace: dict = {"os": os, "sys": sys, "__file__": str(shell)}
     exec(compile(ast.Module(body=[start], type_ignores=[]), "sitecustomize.py", "exec"), namespace)
     started: list[int] = []
     monkeypatch.setattr(_bootstrap, "startup", lambda: started.append(1))
