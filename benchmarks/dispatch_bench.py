@@ -405,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\nflat in submodules: {'yes' if flat['flat'] else '**no**'} (added time grows "
             f"{flat['added_us_growth']:+.1f} µs from {flat['from_submodules']} to {flat['to_submodules']} "
-            f"submodules per layer, {flat['added_us_per_submodule']:+.3f} µs per submodule; budget "
+            f"submodules per layer, {flat['added_us_per_submodule']:+.3f} µs per submodule summed over "
+            f"the {args.layers} layers of a forward; budget "
             f"{flat['budget_us']:.1f} µs)"
         )
     if args.json:
