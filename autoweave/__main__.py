@@ -23,8 +23,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     explain.add_argument(
         "--shard",
-        default="experts",
-        help="comma list of submodule names treated as FSDP units (default: experts)",
+        default=None,
+        help="comma list of submodule names treated as FSDP units (default: experts, where present); "
+        "a name that matches nothing is an error",
+    )
+    explain.add_argument(
+        "--blocks",
+        metavar="PATH",
+        default=None,
+        help="dotted name of the container whose children are the blocks, e.g. model.layers "
+        "(default: the ModuleList/ModuleDict holding the most parameters)",
     )
     explain.add_argument(
         "--recipe", metavar="MODULE:FUNCTION", help="apply your own AC / FSDP marking instead"
@@ -51,12 +59,18 @@ def main(argv: list[str] | None = None) -> int:
         text = explain_mod.explain(
             factory,
             ac=args.ac,
-            shard=tuple(s.strip() for s in args.shard.split(",") if s.strip()),
+            shard=None
+            if args.shard is None
+            else tuple(s.strip() for s in args.shard.split(",") if s.strip()),
+            blocks=args.blocks,
             recipe=recipe,
             mode=args.mode or settings.mode,
             strategy=args.strategy or settings.strategy,
             fullgraph=args.fullgraph,
         )
+    except explain_mod.BadInput as exc:
+        sys.stderr.write(f"autoweave explain: {exc}\n")
+        return 2
     except Exception as exc:
         sys.stderr.write(f"autoweave explain: {type(exc).__name__}: {exc}\n")
         return 2

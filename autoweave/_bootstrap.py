@@ -18,6 +18,12 @@ _lock = _thread.RLock()
 _settings: "Settings | None" = None
 _hooks_registered = False
 _problems_reported = False
+# Why autoweave stays off in this process (a missing dependency, an unsupported
+# torch), once found: told once, and the other hook does not try again.
+_off_reason: "str | None" = None
+
+# The packages the patches import, with the pip requirement that fixes their absence.
+DEPENDENCIES = (("wrapt", "wrapt>=1.14,!=2.2.0"),)
 
 
 def settings() -> Settings:
@@ -100,7 +106,51 @@ def uninstall() -> None:
             patches.revert_all()
 
 
+def _environment_problem(torch_module: "Any") -> "str | None":
+    # Not internal errors: the environment lacks something, so the message names
+    # it and the fix, and no traceback is needed.
+    for name, requirement in DEPENDENCIES:
+        try:
+            __import__(name)
+        except ImportError as exc:
+            return (
+                f"[missing-dependency] autoweave needs the package {name!r}, which cannot be imported "
+                f"in this Python ({sys.executable}: {exc}); staying off, torch runs unpatched. "
+                f"Fix: pip install '{requirement}' (or unset AUTOWEAVE)"
+            )
+    version = getattr(torch_module, "__version__", None)
+    if version is None:
+        return None  # torch still importing: patches.apply_torch checks it again
+    from autoweave import _compat
+
+    try:
+        _compat.check_torch_version(str(version))
+    except _compat.UnsupportedTorch as exc:
+        return f"[unsupported-torch] {exc}"
+    return None
+
+
+def _can_patch(torch_module: "Any") -> bool:
+    """Are the dependencies and torch usable? Says why not, once per process."""
+    global _off_reason
+    with _lock:
+        if _off_reason is None:
+            problem = _environment_problem(torch_module)
+            if problem is None:
+                return True
+            _off_reason = problem
+            _warn(problem)
+        return False
+
+
+def off_reason() -> "str | None":
+    """Why autoweave stays off in this process despite being enabled, if it does."""
+    return _off_reason
+
+
 def _on_torch_import(module: "Any") -> None:
+    if not _can_patch(module):
+        return
     from autoweave._failopen import guard
 
     with guard("patching torch", fallback="torch runs unpatched"):
@@ -110,6 +160,8 @@ def _on_torch_import(module: "Any") -> None:
 
 
 def _on_checkpoint_wrapper_import(module: "Any") -> None:
+    if not _can_patch(sys.modules.get(TORCH)):
+        return
     from autoweave._failopen import guard
 
     with guard("patching checkpoint_wrapper", fallback="checkpoint_wrapper runs unpatched"):

@@ -137,3 +137,18 @@ def compile_callbacks() -> Any:
         return _first("torch._dynamo.callback.callback_handler")
     except UnsupportedTorch:
         return None
+
+
+# Where FSDP2's per-unit state class lives (its ``init`` runs once per ``fully_shard`` call).
+FSDP2_STATE_MODULES = (
+    "torch.distributed.fsdp._fully_shard._fsdp_state",
+    "torch.distributed._composable.fsdp._fsdp_state",
+)
+
+
+def register_module_registration_hook(hook: Any) -> Any:
+    """torch's global hook on every submodule registration; returns its handle (None if missing)."""
+    import torch.nn.modules.module as module_mod
+
+    register = getattr(module_mod, "register_module_module_registration_hook", None)
+    return None if register is None else register(hook)

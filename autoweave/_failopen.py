@@ -61,3 +61,19 @@ def guard(what: str, *, fallback: str = "running as plain torch would") -> Itera
             f"[internal-error] failed while {what}: {type(exc).__name__}: {exc}; "
             f"{fallback}. Set AUTOWEAVE_STRICT=1 to raise, AUTOWEAVE_LOG_LEVEL=debug for the traceback."
         )
+
+
+_warned_keys: set[str] = set()
+
+
+def warn_each(key: str, message: str) -> None:
+    """Write ``message`` to stderr once per ``key`` (e.g. once per module that fell back)."""
+    with _lock:
+        if key in _warned_keys:
+            return
+        _warned_keys.add(key)
+    logger.debug("%s", message)
+    try:
+        sys.stderr.write(f"autoweave[rank{rank()}]: {message}\n")
+    except Exception:  # a closed stderr must not turn a warning into a crash
+        pass

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _compat
+from autoweave import _changes, _compat
+from autoweave._instances import PRIOR as PRIOR  # re-exported: the mark on installed forwards
+from autoweave._instances import users_own
 from autoweave._log import logger
 
 ENTRY_POINT_GROUP = "autoweave.boundaries"
 MARK = "_autoweave_boundary"
-# Attribute on every forward autoweave installs: the instance forward it replaced (or None).
-PRIOR = "__autoweave_prior__"
 
 Predicate = Callable[[nn.Module], "str | bool | None"]
 
@@ -32,6 +32,7 @@ def boundary(module: nn.Module, reason: str = "marked with autoweave.boundary()"
     # object.__setattr__ keeps the mark out of nn.Module's attribute bookkeeping
     # (and out of state_dict).
     object.__setattr__(module, MARK, reason)
+    _changes.bump()
     return module
 
 
@@ -39,12 +40,14 @@ def register_boundary(predicate: Predicate, *, name: str | None = None) -> Predi
     """Register ``predicate(module) -> reason | True | None`` as a kind of boundary."""
     with _lock:
         _predicates.append((name or getattr(predicate, "__qualname__", repr(predicate)), predicate))
+    _changes.bump()
     return predicate
 
 
 def unregister_boundary(predicate: Predicate) -> None:
     with _lock:
         _predicates[:] = [(n, p) for n, p in _predicates if p is not predicate]
+    _changes.bump()
 
 
 def _load_entry_points() -> None:
@@ -82,10 +85,7 @@ def own_forward(module: nn.Module) -> Any:
     Every forward autoweave installs carries what it replaced under ``PRIOR``, so
     planning always sees the user's code, however often a module was re-planned.
     """
-    forward = module.__dict__.get("forward")
-    while forward is not None and hasattr(forward, PRIOR):
-        forward = getattr(forward, PRIOR)
-    return forward
+    return users_own(module.__dict__.get("forward"))
 
 
 def user_forward(module: nn.Module) -> Any:

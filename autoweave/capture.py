@@ -92,46 +92,89 @@ def eager_gemms(profile: Any) -> tuple[int, int]:
     return outside, inside
 
 
-class FallbackCounter(logging.Handler):
-    """Counts dynamo's own "will fall back to eager-mode PyTorch" messages while installed."""
+class _FallbackListener(logging.Handler):
+    """The one handler on dynamo's fallback logger, shared by every ``FallbackCounter``.
+
+    Listening means lowering a global logger to INFO (and stopping propagation,
+    so torch's handlers don't show INFO). Counters overlap (the report's lives as
+    long as the process, the runtime's spans one call, threads interleave), so
+    the logger's state is saved by the first counter to start and restored by
+    the last to stop, whatever the order: a reference count under a lock.
+    """
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
+        self._counters: list[FallbackCounter] = []
+        self._saved: tuple[int, bool, int] | None = None  # level, propagate, effective level
+        self._silenced = False  # we turned propagation off to listen at INFO
+        self._state_lock = threading.Lock()
+
+    def add(self, counter: FallbackCounter) -> None:
+        with self._state_lock:
+            if counter in self._counters:
+                return
+            if not self._counters:
+                log = logging.getLogger(FALLBACK_LOGGER)
+                self._saved = (log.level, log.propagate, log.getEffectiveLevel())
+                log.addHandler(self)
+                # Listen at INFO without showing INFO to torch's handlers.
+                self._silenced = log.getEffectiveLevel() > logging.INFO and log.propagate
+                if log.getEffectiveLevel() > logging.INFO:
+                    log.setLevel(logging.INFO)
+                    log.propagate = False
+            self._counters.append(counter)
+
+    def remove(self, counter: FallbackCounter) -> None:
+        with self._state_lock:
+            if counter not in self._counters:
+                return
+            self._counters.remove(counter)
+            if self._counters or self._saved is None:
+                return
+            log = logging.getLogger(FALLBACK_LOGGER)
+            log.removeHandler(self)
+            log.setLevel(self._saved[0])
+            log.propagate = self._saved[1]
+            self._saved, self._silenced = None, False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._state_lock:
+            counters, saved, silenced = list(self._counters), self._saved, self._silenced
+        message = record.getMessage()
+        if FALLBACK_NEEDLE in message:
+            for counter in counters:
+                counter.messages.append(message)
+        # We may have stopped propagation to listen at INFO: pass on, once, what
+        # torch's own handlers would have shown.
+        if silenced and saved is not None and record.levelno >= saved[2]:
+            parent = logging.getLogger(FALLBACK_LOGGER).parent
+            if parent is not None:
+                parent.handle(record)
+
+
+_listener = _FallbackListener()
+
+
+class FallbackCounter:
+    """Counts dynamo's own "will fall back to eager-mode PyTorch" messages while installed.
+
+    Any number may be installed at once, from any thread, uninstalled in any
+    order; dynamo's logger is restored when the last one is uninstalled.
+    """
+
+    def __init__(self) -> None:
         self.messages: list[str] = []
-        self._logger = logging.getLogger(FALLBACK_LOGGER)
-        self._saved: tuple[int, bool, int] | None = None
 
     @property
     def count(self) -> int:
         return len(self.messages)
 
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if FALLBACK_NEEDLE in message:
-            self.messages.append(message)
-        # We may have stopped propagation to listen at INFO: pass on what torch's
-        # own handlers would have shown.
-        if self._saved is not None and not self._saved[1] and record.levelno >= self._saved[2]:
-            parent = self._logger.parent
-            if parent is not None:
-                parent.handle(record)
-
     def install(self) -> FallbackCounter:
-        if self._saved is None:
-            self._saved = (self._logger.level, self._logger.propagate, self._logger.getEffectiveLevel())
-            self._logger.addHandler(self)
-            if self._logger.getEffectiveLevel() > logging.INFO:
-                # Listen at INFO without showing INFO to torch's handlers.
-                self._logger.setLevel(logging.INFO)
-                self._logger.propagate = False
+        _listener.add(self)
         return self
 
     def uninstall(self) -> None:
-        if self._saved is not None:
-            self._logger.removeHandler(self)
-            self._logger.setLevel(self._saved[0])
-            self._logger.propagate = self._saved[1]
-            self._saved = None
+        _listener.remove(self)
 
     def __enter__(self) -> FallbackCounter:
         return self.install()

@@ -57,6 +57,31 @@ def _tuple(raw: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def check_torch(version: str | None) -> Check:
+    """The installed torch against ``_compat.SUPPORTED_TORCH``, the range the start-up check enforces.
+
+    pyproject only sets a lower bound (pip must not replace a newer torch), so
+    this check and the one at start-up are what say a torch is too new.
+    """
+    from autoweave import _compat
+
+    low, high = _compat.SUPPORTED_TORCH
+    supported = f"supported: {low[0]}.{low[1]} to {high[0]}.{high[1]}"
+    requirement = f"pip install 'torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}'"
+    if version is None:
+        return Check(FAIL, "torch is not installed", supported, requirement)
+    try:
+        _compat.check_torch_version(version)
+    except _compat.UnsupportedTorch:
+        return Check(
+            FAIL,
+            f"torch {version}",
+            f"{supported}; with AUTOWEAVE=1 autoweave says so at start-up and stays off",
+            f"install a supported torch ({requirement}), or unset AUTOWEAVE",
+        )
+    return Check(OK, f"torch {version}", supported)
+
+
 def check_versions() -> list[Check]:
     checks = []
     py = sys.version_info
@@ -67,26 +92,7 @@ def check_versions() -> list[Check]:
             FAIL, f"Python {py.major}.{py.minor}", "autoweave needs Python 3.10+", "use Python 3.10 or newer"
         )
     )
-    from autoweave import _compat
-
-    low, high = _compat.SUPPORTED_TORCH
-    supported = f"supported: {low[0]}.{low[1]} to {high[0]}.{high[1]}"
-    torch_version = _version("torch")
-    if torch_version is None:
-        checks.append(Check(FAIL, "torch is not installed", supported, "pip install 'torch>=2.11,<2.15'"))
-    else:
-        try:
-            _compat.check_torch_version(torch_version)
-            checks.append(Check(OK, f"torch {torch_version}", supported))
-        except _compat.UnsupportedTorch:
-            checks.append(
-                Check(
-                    FAIL,
-                    f"torch {torch_version}",
-                    f"{supported}; autoweave stays off",
-                    "install a supported torch",
-                )
-            )
+    checks.append(check_torch(_version("torch")))
     wrapt_version = _version("wrapt")
     if wrapt_version is None:
         checks.append(

@@ -22,6 +22,7 @@ import torch.nn as nn
 from autoweave import boundaries, plan_log, planner
 
 SIMULATED = "FSDP unit (fully_shard, simulated)"
+DEFAULT_SHARD = ("experts",)
 
 
 def load_object(spec: str) -> Any:
@@ -75,15 +76,62 @@ def build(factory: Callable[[], nn.Module]) -> nn.Module:
     return model
 
 
-def blocks_of(model: nn.Module) -> tuple[str, nn.Module]:
-    """The first ModuleDict / ModuleList in the model: the repeated blocks."""
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleDict, nn.ModuleList)) and len(module):
-            return name, module
-    raise ValueError(
-        f"{type(model).__name__} has no nn.ModuleDict / nn.ModuleList of blocks; "
-        "pass recipe= to say which modules are compiled"
-    )
+class BadInput(ValueError):
+    """The command line names something the model does not have (exit status 2)."""
+
+
+def _parameter_count(module: nn.Module) -> int:
+    # numel() works on the meta device: nothing is allocated.
+    return sum(p.numel() for p in module.parameters())
+
+
+def _describe(name: str, container: nn.Module) -> str:
+    kinds = sorted({type(child).__name__ for child in container.children()})
+    count = len(container._modules)
+    what = f"{count} × {kinds[0]}" if len(kinds) == 1 else f"{count} blocks: {', '.join(kinds[:3])}"
+    return f"{name or '<root>'} ({type(container).__name__}, {what})"
+
+
+def _candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.ModuleDict, nn.ModuleList)) and len(module)
+    ]
+
+
+def blocks_of(model: nn.Module, path: str | None = None) -> tuple[str, nn.Module]:
+    """The container of the repeated blocks: ``path`` if given, else the likeliest one.
+
+    Not simply the first ModuleList/ModuleDict: models often hold embeddings or
+    heads in one before the layers. The blocks are where the parameters are;
+    among equals, a container of one repeated class, then the outermost, wins.
+    """
+    if path is not None:
+        try:
+            container = model.get_submodule(path) if path else model
+        except AttributeError:
+            found = ", ".join(name for name, _ in _candidates(model)[:6]) or "none"
+            raise BadInput(
+                f"--blocks {path!r}: {type(model).__name__} has no submodule by that name "
+                f"(ModuleList/ModuleDict found: {found})"
+            ) from None
+        if not len(container._modules):
+            raise BadInput(f"--blocks {path!r}: {type(container).__name__} has no child modules to plan")
+        return path, container
+    candidates = _candidates(model)
+    if not candidates:
+        raise BadInput(
+            f"{type(model).__name__} has no nn.ModuleDict / nn.ModuleList of blocks; "
+            "name the container with --blocks PATH (blocks=...), or pass a recipe that returns the targets"
+        )
+
+    def score(item: tuple[str, nn.Module]) -> tuple[int, bool, int]:
+        name, container = item
+        repeated = len(container) > 1 and len({type(c) for c in container.children()}) == 1
+        return (_parameter_count(container), repeated, -name.count(".") - bool(name))
+
+    return max(candidates, key=score)  # max keeps the first of equals: model order
 
 
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -93,19 +141,47 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _child_names(container: nn.Module, limit: int = 8) -> list[str]:
+    # Distinct last segments of the submodules inside the blocks: what --shard can name.
+    names: dict[str, None] = {}
+    for block in container.children():
+        for name, _ in block.named_modules():
+            if name:
+                names.setdefault(name.rsplit(".", 1)[-1], None)
+    return list(names)[:limit]
+
+
 def simulate(
-    model: nn.Module, *, ac: str = "full", shard: Sequence[str] = ("experts",)
+    model: nn.Module,
+    *,
+    ac: str = "full",
+    shard: Sequence[str] | None = None,
+    blocks: str | None = None,
 ) -> list[tuple[str, nn.Module]]:
     """The default recipe: FSDP units marked inside each block, then AC around each block.
 
+    ``shard``: names of the submodules treated as FSDP units. When given, every
+    name must match a submodule (a typo raises ``BadInput``); by default
+    ``experts`` is tried, and a model without experts simply has no units.
     Returns ``(qualified name, compile target)`` for every block.
     """
     from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
     if ac not in ("full", "selective", "none"):
         raise ValueError(f"ac={ac!r} not understood (accepted: full, selective, none)")
-    prefix, container = blocks_of(model)
-    names = set(shard)
+    prefix, container = blocks_of(model, blocks)
+    names = set(DEFAULT_SHARD if shard is None else shard)
+    unmatched = set(names)
+    for block in container.children():
+        for name, _ in block.named_modules():
+            unmatched.discard(name.rsplit(".", 1)[-1])
+    if shard is not None and unmatched:
+        raise BadInput(
+            f"--shard: no submodule of the blocks in {_describe(prefix, container)} is named "
+            f"{', '.join(sorted(unmatched))}; names found in the blocks: "
+            f"{', '.join(_child_names(container)) or 'none'}. Nothing was planned; pass names from "
+            "that list (--shard '' for no FSDP units)"
+        )
     kwargs: dict[str, Any] = {}
     if ac == "selective":
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
@@ -118,7 +194,7 @@ def simulate(
                 boundaries.boundary(sub, SIMULATED)
         target = block if ac == "none" else cw.checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
         if target is not block:
-            container[int(key) if isinstance(container, nn.ModuleList) else key] = target
+            setattr(container, key, target)  # registers under the same key, in any container
         out.append((f"{prefix}.{key}" if prefix else key, target))
     return out
 
@@ -127,7 +203,8 @@ def explain(
     model_or_factory: nn.Module | Callable[[], nn.Module],
     *,
     ac: str = "full",
-    shard: Sequence[str] = ("experts",),
+    shard: Sequence[str] | None = None,
+    blocks: str | None = None,
     recipe: Callable[[nn.Module], Any] | None = None,
     mode: str = "auto",
     strategy: str = "auto",
@@ -136,11 +213,14 @@ def explain(
     """The plan ``torch.compile`` of each block would get, as the plan log prints it.
 
     ``model_or_factory``: a model (ideally on the meta device) or a zero-argument
-    factory, called under ``torch.device("meta")``. ``recipe(model)`` applies your
-    own AC / FSDP marking and may return the compile targets as ``(name, module)``
-    pairs (default: the blocks of the first ModuleDict/ModuleList); without a
-    recipe, every block is wrapped in ``ac`` AC and every submodule named in
-    ``shard`` is treated as an FSDP unit.
+    factory, called under ``torch.device("meta")``. ``blocks``: the dotted name
+    of the container whose children are the blocks (default: the ModuleList /
+    ModuleDict holding the most parameters; the header line names it).
+    ``recipe(model)`` applies your own AC / FSDP marking and may return the
+    compile targets as ``(name, module)`` pairs; without a recipe, every block is
+    wrapped in ``ac`` AC and every submodule named in ``shard`` (default:
+    ``experts``, where present) is treated as an FSDP unit. Raises ``BadInput``
+    when ``blocks`` or a ``shard`` name matches nothing.
     """
     model = model_or_factory if isinstance(model_or_factory, nn.Module) else build(model_or_factory)
     if recipe is not None:
@@ -148,13 +228,22 @@ def explain(
         if isinstance(returned, nn.Module):
             model = returned
         targets = list(returned) if isinstance(returned, (list, tuple)) else None
+        where = "blocks returned by the recipe"
         if targets is None:
-            prefix, container = blocks_of(model)
+            prefix, container = blocks_of(model, blocks)
             targets = [(f"{prefix}.{k}" if prefix else k, m) for k, m in container.named_children()]
-        how = f"recipe {getattr(recipe, '__qualname__', recipe)}"
+            where = f"blocks: {_describe(prefix, container)}"
+        how = f"{where}; recipe {getattr(recipe, '__qualname__', recipe)}"
     else:
-        targets = simulate(model, ac=ac, shard=shard)
-        how = f"{ac} AC per block, FSDP units (simulated): {', '.join(shard) or 'none'}"
+        prefix, container = blocks_of(model, blocks)
+        where = f"blocks: {_describe(prefix, container)}"
+        targets = simulate(model, ac=ac, shard=shard, blocks=prefix)
+        names = DEFAULT_SHARD if shard is None else tuple(shard)
+        found = any(getattr(m, boundaries.MARK, None) == SIMULATED for _, t in targets for m in t.modules())
+        units = ", ".join(names) or "none"
+        if names and not found:
+            units += " (none found in the blocks)"
+        how = f"{where}; {ac} AC per block, FSDP units (simulated): {units}"
     entries = []
     for name, target in targets:
         plan = planner.plan(target, mode=mode, strategy=strategy, fullgraph=fullgraph)

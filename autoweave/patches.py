@@ -100,8 +100,9 @@ def apply_torch(settings: Settings) -> None:
     _compat.check_torch_version()
     import torch
 
-    from autoweave import runtime
+    from autoweave import _changes, runtime
 
+    _changes.install()
     if "compile" not in settings.disabled_patches:
         _apply("compile", torch, "compile", runtime.route_compile)
     if "module_compile" not in settings.disabled_patches:
@@ -134,6 +135,9 @@ def revert_all() -> None:
         for function, defaults in _defaults_patched:
             function.__defaults__ = defaults
         _defaults_patched.clear()
+        from autoweave import _changes
+
+        _changes.uninstall()
 
 
 def applied() -> list[str]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoweave import report
+from autoweave._instances import dispatcher_of
 from autoweave._log import SUMMARY, logger, rank
 from autoweave.planner import Action, Plan
 
@@ -189,9 +190,7 @@ def qualified_name(target: Any, dispatcher: Any = None, *, frame: Any = None) ->
         owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
         if isinstance(owner, nn.Module) and owner is not current:
             if current is None:
-                if owner is target or (
-                    dispatcher is not None and owner.__dict__.get("_autoweave_dispatcher") is dispatcher
-                ):
+                if owner is target or (dispatcher is not None and dispatcher_of(owner) is dispatcher):
                     current = owner
             else:
                 found = _path_in(owner, current)
@@ -222,6 +221,7 @@ def record_plan(dispatcher: Any, plan: Plan) -> Entry | None:
 
 def _record(dispatcher: Any, plan: Plan, caller: Any) -> Entry:
     global pending
+    rank()  # remember the process group's rank while it exists: the summary may come at exit
     target = dispatcher.target
     applied = getattr(dispatcher, "_applied", None)
     entry = Entry(
@@ -278,3 +278,11 @@ def reset() -> None:
         _entries.clear()
         _unsummarised.clear()
         pending = False
+
+
+def name_of(dispatcher: Any) -> str:
+    """How the summary names a compile target: ``layers.3 (Block)``, or its type alone."""
+    with _lock:
+        entry = _entries.get(id(dispatcher))
+    type_name = inner_type(dispatcher.target)
+    return f"{entry.name} ({type_name})" if entry is not None and entry.name else type_name

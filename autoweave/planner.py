@@ -12,13 +12,14 @@ runs eager, forward and recompute), which is the loss autoweave exists to avoid.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _compat, boundaries
+from autoweave import _compat, boundaries, checkpoints
 
 Classifier = Callable[[nn.Module], "str | None"]
 
@@ -88,6 +89,13 @@ class Plan:
                 return d
         return None
 
+    def plain_instead(self, reason: str) -> Plan:
+        """This plan given up for plain torch.compile (the weave failed), saying why."""
+        decision = Decision("", self.root_type, Action.PLAIN, reason)
+        return Plan(
+            self.root_type, False, self.mode, self.strategy, self.fullgraph, (decision,), self.boundaries
+        )
+
     def summary(self) -> str:
         if not self.woven:
             return f"{self.root_type}: {self.decisions[0].reason}"
@@ -135,25 +143,29 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module
 
 
-_CHECKPOINT_NAMES = frozenset({"checkpoint", "checkpoint_sequential"})
-
-
 def calls_checkpoint(module: nn.Module) -> bool:
-    """Does this module's own forward call ``torch.utils.checkpoint`` (read from its bytecode)?
+    """Does this module's own forward call torch's ``checkpoint`` (read from its code)?
 
-    A heuristic: a checkpoint written inside a forward is invisible in the module
-    tree. When it misses one, the runtime still notices dynamo's fallback at the
-    first call and weaves from the next call on.
+    A heuristic (see ``checkpoints``): when it misses one, the runtime still
+    notices dynamo's fallback at the first call and re-plans from the next call.
     """
     forward = boundaries.user_forward(module)
-    code = getattr(getattr(forward, "__func__", forward), "__code__", None)
-    stack = [code] if code is not None else []
-    while stack:
-        current = stack.pop()
-        if _CHECKPOINT_NAMES & set(current.co_names):
-            return True
-        stack.extend(c for c in current.co_consts if hasattr(c, "co_names"))
-    return False
+    while isinstance(forward, functools.partial):
+        forward = forward.func
+    return checkpoints.code_checkpoints(forward, getattr(forward, "__self__", None))
+
+
+def traces_checkpoint(module: nn.Module, *, call_traced: bool = True) -> bool:
+    """Would a compile of ``module`` trace some checkpoint (where a break would cost the region)?"""
+    target = unwrap(module)
+    if call_traced and checkpoints.call_checkpoints(target):
+        return True
+    return any(
+        checkpoint_spec(m) is not None
+        or calls_checkpoint(m)
+        or (m is not target and checkpoints.call_checkpoints(m))
+        for m in target.modules()
+    )
 
 
 def _is_container(module: nn.Module) -> bool:
@@ -169,15 +181,17 @@ def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
 class _Tree:
     """Memoised boundary facts for one planning pass."""
 
-    def __init__(self, classify: Classifier) -> None:
+    def __init__(self, classify: Classifier, breaks: dict[int, str] | None = None) -> None:
         self.classify = classify
+        # Modules dynamo was seen breaking in (id -> reason): boundaries of this plan.
+        self.breaking = dict(breaks or {})
         self._kind: dict[int, str | None] = {}
         self._has: dict[int, bool] = {}
 
     def kind(self, module: nn.Module) -> str | None:
         key = id(module)
         if key not in self._kind:
-            self._kind[key] = self.classify(module)
+            self._kind[key] = self.classify(module) or self.breaking.get(key)
         return self._kind[key]
 
     def has_boundary_below(self, module: nn.Module) -> bool:
@@ -194,9 +208,14 @@ class _Tree:
         if self.has_boundary_below(module) and calls_checkpoint(module):
             return True
         for child in module.children():
-            if self.kind(child) is not None:
-                continue  # a boundary's own subtree is not traced by this compile
-            if checkpoint_spec(child) is not None and self.has_boundary_below(child):
+            child = unwrap(child)
+            if self.kind(child) is not None and boundaries.forward_disabled(child):
+                continue  # nothing of it is traced
+            # An FSDP unit's hooks break the graph, but its forward (and the
+            # checkpoint of an AC wrapper that is itself the unit) is traced.
+            if self.has_boundary_below(child) and (
+                checkpoint_spec(child) is not None or checkpoints.call_checkpoints(child)
+            ):
                 return True
             if self.traced_ac_over_boundary(child):
                 return True
@@ -274,9 +293,35 @@ class _Planner:
             reason += f", inside {ctx.checkpoint.describe()} pushed down"
         self.add(path, module, action, reason, region=True, checkpoint=ctx.checkpoint)
 
-    def boundary(self, path: str, module: nn.Module, kind: str, ctx: _Context) -> None:
+    def boundary(
+        self, path: str, module: nn.Module, kind: str, ctx: _Context, *, opaque: bool = False
+    ) -> None:
         if boundaries.forward_disabled(module):
             self.add(path, module, Action.EAGER, f"{kind}: left eager as the user asked")
+            return
+        if id(module) in self.tree.breaking and ctx.checkpoint is not None:
+            # A break in its own forward: compiled under the pushed-down checkpoint
+            # it would fall back anyway. Its children are regions of their own
+            # (each under the checkpoint); a module without children runs eager
+            # under the checkpoint, so the policy still decides for its ops.
+            if any(True for _ in module.children()):
+                self.add(path, module, Action.WEAVE, f"{kind} → own forward eager, children compiled")
+                for child_path, child in _walk(module, path):
+                    self.node(child_path, child, ctx)
+                return
+            self.add(
+                path,
+                module,
+                Action.EAGER,
+                f"{kind} → eager under {ctx.checkpoint.describe()} pushed down",
+                checkpoint=ctx.checkpoint,
+            )
+            return
+        spec = checkpoint_spec(module)
+        if spec is not None and self.tree.has_boundary_below(module):
+            # An AC wrapper that is itself an FSDP unit (AC, then fully_shard per
+            # block): its hooks stay eager anyway; its checkpoint is planned as any.
+            self.checkpointed(path, module, spec, ctx, opaque=opaque, unit=kind)
             return
         if not self.tree.has_boundary_below(module):
             self.region(path, module, ctx, Action.BOUNDARY, f"{kind} → hooks stay eager, forward compiled")
@@ -297,11 +342,20 @@ class _Planner:
             self.node(child_path, child, ctx)
 
     def checkpointed(
-        self, path: str, module: nn.Module, spec: CheckpointSpec, ctx: _Context, *, opaque: bool
+        self,
+        path: str,
+        module: nn.Module,
+        spec: CheckpointSpec,
+        ctx: _Context,
+        *,
+        opaque: bool,
+        unit: str | None = None,
     ) -> None:
         inner_path = f"{path}._checkpoint_wrapped_module" if path else "_checkpoint_wrapped_module"
         inner = module._checkpoint_wrapped_module
         where = "kept out of the enclosing region, " if opaque else ""
+        if unit is not None:
+            where = f"{unit}, hooks eager; {where}"
         strategy = self.strategy
         if strategy == "auto":
             if spec.selective or not spec.known:
@@ -323,8 +377,13 @@ class _Planner:
                 opaque=opaque,
                 ac=spec,
             )
+            broken = self.tree.breaking.get(id(inner))
             self.split(
-                inner_path, inner, ctx, "compiled under eager AC; dynamo splits it at the boundaries inside"
+                inner_path,
+                inner,
+                ctx,
+                "compiled under eager AC; dynamo splits it at the boundaries inside"
+                + (f" and at its own {broken}" if broken else ""),
             )
         elif strategy == "push-down":
             self.add(
@@ -370,12 +429,14 @@ class _Planner:
             child = unwrap(child)
             kind = self.tree.kind(child)
             if kind is not None:
-                self.boundary(child_path, child, kind, ctx)
+                self.boundary(child_path, child, kind, ctx, opaque=True)
                 continue
             spec = checkpoint_spec(child)
             if spec is not None and self.tree.has_boundary_below(child):
                 self.checkpointed(child_path, child, spec, ctx, opaque=True)
-            elif self.tree.has_boundary_below(child) and calls_checkpoint(child):
+            elif self.tree.has_boundary_below(child) and (
+                calls_checkpoint(child) or checkpoints.call_checkpoints(child)
+            ):
                 self.add(
                     child_path,
                     child,
@@ -397,6 +458,8 @@ def plan(
     fullgraph: bool = False,
     classify: Classifier | None = None,
     outer_ac: CheckpointSpec | None = None,
+    breaks: dict[int, str] | None = None,
+    call_traced: bool = True,
 ) -> Plan:
     """Decide how to compile ``module`` (the object handed to ``torch.compile``).
 
@@ -407,12 +470,17 @@ def plan(
     split), ``push-down`` (AC moved into each compiled region; keeps a selective
     policy honoured), ``siblings`` (eager AC around children compiled one by
     one), ``auto`` (hoist for full AC, push-down for selective AC).
+
+    ``breaks`` names modules (by ``id``) that dynamo was seen breaking in, with
+    a reason: they are boundaries of this plan. ``call_traced`` is whether the
+    compile traces the target's ``__call__`` (``torch.compile(module)``) or only
+    its ``_call_impl`` (in-place ``module.compile()``).
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} not understood (accepted: {', '.join(MODES)})")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} not understood (accepted: {', '.join(STRATEGIES)})")
-    tree = _Tree(classify or boundaries.classify)
+    tree = _Tree(classify or boundaries.classify, breaks)
     target = unwrap(module)
     found = tuple(
         (name, tree.kind(m) or "")
@@ -443,12 +511,22 @@ def plan(
             root_type, True, mode, strategy, fullgraph, tuple(planner.out), found, outer_push_down=outer_ac
         )
     own_spec = checkpoint_spec(target)
-    traced_ac = own_spec is not None or tree.traced_ac_over_boundary(target)
+    # A layer that checkpoints in its own __call__ (HF's GradientCheckpointingLayer):
+    # torch.compile(layer) traces that checkpoint; the dispatcher runs __call__ eagerly.
+    call_ac = call_traced and own_spec is None and checkpoints.call_checkpoints(target)
+    traced_ac = own_spec is not None or call_ac or tree.traced_ac_over_boundary(target)
     if mode == "auto" and not traced_ac and not fullgraph:
         return plain(
             "boundaries inside but no checkpoint around them: plain torch.compile "
             "splits the graph there and keeps the rest compiled"
         )
     planner = _Planner(tree, strategy, fullgraph)
+    if call_ac:
+        planner.add(
+            "",
+            target,
+            Action.HOIST,
+            "its __call__ checkpoints: that AC stays eager around a compile of its forward",
+        )
     planner.node("", target, _Context(fullgraph, strategy), root=True)
     return Plan(root_type, True, mode, strategy, fullgraph, tuple(planner.out), found)

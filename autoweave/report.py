@@ -5,7 +5,9 @@ through a counting wrapper around each region's backend, see ``instrument``),
 and what dynamo signalled for every compile in the process, autoweave's or not
 (graph breaks, recompile-limit hits, checkpointed regions that fell back to
 eager). Written at exit; rank 0 also prints a one-screen summary, after the plan
-summary (``plan_log``) if that is still waiting.
+summary (``plan_log``) if that is still waiting. A process that compiled nothing
+(torchrun's launcher inherits ``AUTOWEAVE_REPORT`` and imports torch) writes and
+prints nothing: it would otherwise pose as rank 0 and overwrite rank 0's report.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ class _Stats:
 
     # dynamo's compile callbacks: time every compile, attribute it to the regions it built
     def _on_start(self, args: Any = None, *_: Any) -> None:
+        rank()  # remember the process group's rank while it exists (see _log)
         trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
         match = _COMPILE_ID.search(str(getattr(args, "compile_id", "")))
         recompile = trigger == "DYNAMO" and match is not None and int(match.group(2)) > 0
@@ -178,6 +181,17 @@ class _Stats:
                 shown = plan_log._join(entry.shown, path)
                 if shown not in region.modules:
                     region.modules.append(shown)
+
+    def compiled_anything(self) -> bool:
+        """Did this process compile, plan or see a fallback? If not, it has nothing to report."""
+        if self.compiles or self.regions or self.fallbacks.count or plan_log.entries():
+            return True
+        try:
+            from torch._dynamo.utils import counters
+
+            return bool(counters.get("stats", {}).get("unique_graphs"))
+        except Exception:  # pragma: no cover - private counters moved
+            return False
 
     def snapshot(self) -> dict[str, Any]:
         import torch
@@ -425,28 +439,49 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
     return "\n".join(lines)
 
 
-def at_exit() -> None:
-    """Log any pending plan summary; write the report and print its summary (rank 0)."""
+def _quietly(what: str, step: Any, *args: Any) -> Any:
+    # Exit-time output must never turn a clean exit into a traceback (stderr may
+    # be closed already: test runners close their capture files before atexit).
     try:
-        if plan_log.pending:
-            plan_log.flush()
-        stats = _stats
-        if stats is None or stats.path is None:
-            return
-        data = stop()
-        if data is None:
-            return
-        path = report_path(stats.path)
-        if path is not None:
-            write(data, path)
-        if rank() == 0:
-            sys.stderr.write(format_exit_summary(data, path) + "\n")
-            sys.stderr.flush()
-    except Exception as exc:  # never turn a clean exit into a traceback
+        return step(*args)
+    except Exception:
         try:
-            sys.stderr.write(f"autoweave: could not write the report: {type(exc).__name__}: {exc}\n")
+            logger.debug("at exit: could not %s", what, exc_info=True)
         except Exception:
             pass
+        return None
+
+
+def _write_and_summarise(stats: _Stats) -> None:
+    if not stats.compiled_anything():
+        stop()
+        return
+    data = stop()
+    if data is None:
+        return
+    path = report_path(stats.path) if stats.path is not None else None
+    if path is not None:
+        try:
+            write(data, path)
+        except OSError as exc:
+            sys.stderr.write(
+                f"autoweave: could not write the report to {path}: {exc}; "
+                "set AUTOWEAVE_REPORT to a writable path\n"
+            )
+            path = None
+    if rank() == 0:
+        sys.stderr.write(format_exit_summary(data, path) + "\n")
+        sys.stderr.flush()
+
+
+def at_exit() -> None:
+    """Log any pending plan summary; write the report and print its summary (rank 0). Never raises."""
+    if plan_log.pending:
+        _quietly("log the plan summary", plan_log.flush)
+    stats = _stats
+    if stats is None or stats.path is None:
+        return
+    _quietly("write the report", _write_and_summarise, stats)
 
 
 _registered = False

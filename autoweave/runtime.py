@@ -19,8 +19,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _bootstrap, capture, plan_log, planner, report, weave
-from autoweave._failopen import guard
+from autoweave import _bootstrap, _changes, _instances, breaks, capture, plan_log, planner, report, weave
+from autoweave._failopen import AutoweaveError, _strict, guard, warn_each
 from autoweave._log import logger
 
 _off: contextvars.ContextVar[bool] = contextvars.ContextVar("autoweave_off", default=False)
@@ -50,10 +50,13 @@ def _original(name: str) -> Any:
 def route_compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``torch.compile(...)``: weave-aware for modules, untouched for everything else."""
     model = args[0] if args else kwargs.get("model")
-    if _off.get() or not isinstance(model, nn.Module):
-        # Functions, and the decorator form (model=None), which re-enters
-        # torch.compile with the function it decorates.
+    if _off.get() or not isinstance(model, nn.Module) or kwargs.get("disable"):
+        # Functions, the decorator form (model=None), which re-enters
+        # torch.compile with the function it decorates, and compiles the user
+        # switched off: exactly torch's.
         return wrapped(*args, **kwargs)
+    # torch's own compile first, outside any guard: what it rejects (a bad
+    # backend, conflicting options) raises here, with torch's error, as without us.
     compiled = wrapped(*args, **report.plain_kwargs(model, kwargs))
     with guard(f"preparing the weave for {type(model).__name__}") as failed:
         _Dispatcher.attach_to_optimized(compiled, _compile_kwargs(args[1:], kwargs))
@@ -64,12 +67,16 @@ def route_compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
 
 def route_module_compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """``module.compile(...)`` in place."""
-    if _off.get() or not isinstance(instance, nn.Module):
+    if _off.get() or not isinstance(instance, nn.Module) or kwargs.get("disable"):
         return wrapped(*args, **kwargs)
+    compile_kwargs = _compile_kwargs(args, kwargs)
+    # What nn.Module.compile does, done now and outside any guard: torch's
+    # errors (a bad backend, conflicting options) raise at .compile(), as without us.
+    plain = _original("compile")(instance._call_impl, **report.plain_kwargs(instance, compile_kwargs))
     with guard(f"preparing the weave for {type(instance).__name__}") as failed:
-        _Dispatcher.attach_in_place(instance, _compile_kwargs(args, kwargs))
+        _Dispatcher.attach_in_place(instance, compile_kwargs, plain)
     if failed:
-        return wrapped(*args, **kwargs)
+        instance._compiled_call_impl = plain
     return None
 
 
@@ -79,7 +86,7 @@ def route_checkpoint_wrapper(wrapped: Callable[..., Any], instance: Any, args: t
     if _off.get():
         return wrapper
     target = args[0] if args else kwargs.get("module")
-    dispatcher = getattr(target, "_autoweave_dispatcher", None) if target is not None else None
+    dispatcher = _instances.dispatcher_of(target) if isinstance(target, nn.Module) else None
     if dispatcher is not None:
         with guard("watching the AC around a compiled module"):
             _gate_outer_ac(dispatcher, wrapper)
@@ -96,17 +103,17 @@ def _gate_outer_ac(dispatcher: _Dispatcher, wrapper: nn.Module) -> None:
     skips its own checkpoint when the plan moved it inside.
     """
     dispatcher.outer = weakref.ref(wrapper)
+    wrapper_ref = weakref.ref(wrapper)
     wrapper_forward = type(wrapper).forward
-    inner = wrapper._checkpoint_wrapped_module
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        wrapper = wrapper_ref()
         dispatcher.ensure_decided()
-        plan = dispatcher.plan
-        if plan is not None and plan.outer_push_down is not None and dispatcher.woven:
-            return inner(*args, **kwargs)
+        if dispatcher.skip_outer_checkpoint:
+            return wrapper._checkpoint_wrapped_module(*args, **kwargs)
         return wrapper_forward(wrapper, *args, **kwargs)
 
-    wrapper.__dict__["forward"] = forward
+    _instances.install_forward(wrapper, forward)
 
 
 def _compile_kwargs(args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -150,8 +157,17 @@ def _fingerprint(target: nn.Module) -> tuple:
     return tuple((name, type(m), getattr(m, MARK, None)) for name, m in target.named_modules())
 
 
+_live: weakref.WeakSet[_Dispatcher] = weakref.WeakSet()
+
+
 class _Dispatcher:
-    """Stands in for a compiled forward until the first call, then runs the plan."""
+    """Stands in for a compiled forward until the first call, then runs the plan.
+
+    The per-call cost does not grow with the model: the module tree is re-read
+    only when ``_changes.generation`` moved since the last look (a submodule was
+    registered, ``fully_shard`` ran, a mark changed), so a call is an integer
+    comparison and the call of what the plan installed.
+    """
 
     def __init__(
         self,
@@ -166,13 +182,21 @@ class _Dispatcher:
         self._plain: Callable[..., Any] | None = None
         self._eager = eager
         self._lock = threading.RLock()
+        self._generation = -1  # _changes.generation when the tree was last read
         self._fingerprint: tuple | None = None
         self._applied: weave.Applied | None = None
+        self._trial = False  # the woven regions have not run yet: their compile may still fail
+        self.fell_back = False  # the weave failed at its first call: plain torch until the tree changes
         self._watch_first_call = False
         self._pending: planner.Plan | None = None
         self._called = False
         self.plan: planner.Plan | None = None
         self.outer: Callable[[], nn.Module | None] | None = None  # weakref to an enclosing AC wrapper
+        self.skip_outer_checkpoint = False  # the enclosing wrapper's AC moved into the regions
+        self._call_traced = True  # torch.compile(module) traces __call__; in-place compile does not
+        # What a first-call fallback taught (modules that break, planning options): kept for re-plans.
+        self._learned: dict[str, Any] = {}
+        _live.add(self)
 
     # How the dispatcher is put in place -------------------------------------------------
 
@@ -182,22 +206,23 @@ class _Dispatcher:
         target = optimized._orig_mod
         dispatcher = cls(target, compile_kwargs, lambda: plain_forward, target.__call__)
         optimized.forward = dispatcher
-        object.__setattr__(optimized, "_autoweave_dispatcher", dispatcher)
+        _instances.attach(optimized, dispatcher)
+        # copy.deepcopy(optimized) rebuilds a plain OptimizedModule: weave the copy too.
+        optimized.__dict__["__deepcopy__"] = _instances.CopyHook(optimized, _rebuild_copy)
 
     @classmethod
-    def attach_in_place(cls, module: nn.Module, compile_kwargs: dict[str, Any]) -> None:
-        previous = module.__dict__.get("_autoweave_dispatcher")
+    def attach_in_place(
+        cls, module: nn.Module, compile_kwargs: dict[str, Any], plain: Callable[..., Any]
+    ) -> None:
+        previous = _instances.dispatcher_of(module)
         if previous is not None:
             previous.release()  # compiled twice (pipeline stages do): one layer only
-        compile_fn = _original("compile")
-
-        def plain() -> Callable[..., Any]:
-            # Exactly what nn.Module.compile does.
-            return compile_fn(module._call_impl, **report.plain_kwargs(module, compile_kwargs))
-
-        dispatcher = cls(module, compile_kwargs, plain, module._call_impl)
+        dispatcher = cls(module, compile_kwargs, lambda: plain, module._call_impl)
+        dispatcher._call_traced = False
+        # nn.Module drops _compiled_call_impl when pickled or copied, so a copy
+        # is what plain torch makes: an uncompiled module.
         module._compiled_call_impl = dispatcher
-        object.__setattr__(module, "_autoweave_dispatcher", dispatcher)
+        _instances.attach(module, dispatcher)
 
     # The call path ----------------------------------------------------------------------
 
@@ -207,62 +232,143 @@ class _Dispatcher:
 
     def ensure_decided(self) -> bool:
         """Plan (or re-plan, when the module tree changed) before running; True if it planned now."""
-        if self._pending is not None:
-            self._apply_pending()
-        if self._fingerprint is None or _fingerprint(self.target) != self._fingerprint:
-            self._decide()
+        if self._generation == _changes.generation and self._pending is None:
+            return False
+        with self._lock:
+            if self._pending is not None:
+                self._apply_pending()
+            generation = _changes.generation
+            if generation == self._generation:
+                return False
+            fingerprint = _fingerprint(self.target)
+            self._generation = generation
+            if fingerprint == self._fingerprint:
+                return False
+            self._decide(fingerprint)
             return True
-        return False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.ensure_decided() and self._called and plan_log.pending:
             plan_log.next_call(self)  # called again: every block has planned; log the one summary
         self._called = True
         if self._applied is not None:
+            if self._trial:
+                return self._first_woven_call(args, kwargs)
             return self._eager(*args, **kwargs)
-        if self._plain is None:
-            self._plain = self._make_plain()
+        plain = self._plain
+        if plain is None:
+            with self._lock:
+                if self._plain is None:
+                    self._plain = self._make_plain()
+                plain = self._plain
         if not self._watch_first_call:
-            return self._plain(*args, **kwargs)
-        self._watch_first_call = False
-        with capture.FallbackCounter() as watch:
-            out = self._plain(*args, **kwargs)
+            return plain(*args, **kwargs)
+        with self._lock:
+            watching, self._watch_first_call = self._watch_first_call, False
+        if not watching:
+            return plain(*args, **kwargs)
+        with capture.FallbackCounter() as watch, breaks.BreakWatch() as where:
+            out = plain(*args, **kwargs)
         if watch.count:
-            self._on_hidden_fallback(watch.messages)
+            self._on_hidden_fallback(where.stacks)
         return out
 
-    def _decide(self) -> None:
-        with self._lock:
-            fingerprint = _fingerprint(self.target)
-            if fingerprint == self._fingerprint:
-                return  # another thread decided while we waited
-            self.release()
-            settings = _bootstrap.settings()
-            mode = getattr(self.target, MODE_ATTR, None) or settings.mode
-            strategy = getattr(self.target, STRATEGY_ATTR, None) or settings.strategy
-            with guard(f"planning {type(self.target).__name__}") as failed:
-                outer = self.outer() if self.outer is not None else None
-                plan = planner.plan(
-                    self.target,
-                    mode=mode,
-                    strategy=strategy,
-                    fullgraph=bool(self.compile_kwargs.get("fullgraph")),
-                    outer_ac=planner.checkpoint_spec(outer) if outer is not None else None,
-                )
-                self._apply(plan)
-            if failed:
-                self.plan = None
-                self._applied = None
-            # A boundary inside that plain torch copes with, unless a checkpoint
-            # hides in the forward's code: watch the first plain call for dynamo's
-            # fallback message and weave if it appears.
-            self._watch_first_call = (
-                self._applied is None
-                and self.plan is not None
-                and bool(self.plan.boundaries)
-                and mode == "auto"
+    def _first_woven_call(self, args: tuple, kwargs: dict) -> Any:
+        """The woven regions compile now: a failure plain torch would not hit falls back to it.
+
+        Also the second safety net: a region compiled under a pushed-down
+        checkpoint may still hold a break nobody located yet (a second one in
+        the same block); dynamo's fallback message then re-plans around it too.
+        """
+        try:
+            with capture.FallbackCounter() as watch, breaks.BreakWatch() as where:
+                out = self._eager(*args, **kwargs)
+            if watch.count:
+                self._on_hidden_fallback(where.stacks)
+        except Exception as exc:
+            name = plan_log.name_of(self)
+            if _strict():
+                raise AutoweaveError(
+                    f"autoweave: the woven regions of {name} failed at their first call"
+                ) from exc
+            with self._lock:
+                plan = self.plan
+                self.release()
+            try:
+                out = self._run_plain(args, kwargs)
+            except Exception:
+                # Plain torch fails on this call too: the error is the model's,
+                # not the weave's. Keep the weave; raise what plain torch raised.
+                with self._lock, guard(f"re-weaving {type(self.target).__name__}"):
+                    if plan is not None and self._applied is None:
+                        self._apply(plan)
+                        self._trial = True
+                raise
+            first_line = (str(exc).splitlines() or [""])[0]
+            why = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
+            with self._lock:
+                self.fell_back = True
+                if plan is not None:
+                    self.plan = plan.plain_instead(
+                        f"woven regions failed at their first call ({why}): compiled as plain torch.compile would"
+                    )
+                    plan_log.record_plan(self, self.plan)
+            warn_each(
+                f"first-call:{id(self)}",
+                f"[weave-failed] the compiled regions of {name} failed at their "
+                f"first call ({why}); it runs as plain torch.compile would from now on. "
+                "Set AUTOWEAVE_STRICT=1 to raise, AUTOWEAVE_LOG_LEVEL=debug for the traceback.",
             )
-            self._fingerprint = fingerprint
+            logger.debug("woven call of %s failed", type(self.target).__name__, exc_info=exc)
+            return out
+        self._trial = False
+        return out
+
+    def _run_plain(self, args: tuple, kwargs: dict) -> Any:
+        with self._lock:
+            if self._plain is None:
+                self._plain = self._make_plain()
+        return self._plain(*args, **kwargs)
+
+    def _decide(self, fingerprint: tuple) -> None:
+        self.release()
+        self.fell_back = False
+        settings = _bootstrap.settings()
+        mode = getattr(self.target, MODE_ATTR, None) or settings.mode
+        strategy = getattr(self.target, STRATEGY_ATTR, None) or settings.strategy
+        with guard(f"planning {type(self.target).__name__}") as failed:
+            outer = self.outer() if self.outer is not None else None
+            options: dict[str, Any] = {
+                "mode": mode,
+                "strategy": strategy,
+                "breaks": breaks.known(self.target),
+            }
+            options.update(self._learned)
+            plan = planner.plan(
+                self.target,
+                fullgraph=bool(self.compile_kwargs.get("fullgraph")),
+                outer_ac=planner.checkpoint_spec(outer) if outer is not None else None,
+                call_traced=self._call_traced,
+                **options,
+            )
+            self._apply(plan)
+        if failed:
+            self.plan = None
+            self._applied = None
+        # Compiled plain, but a checkpoint is traced: any graph break under it
+        # (a boundary whose checkpoint hides in code, a data-dependent op, a
+        # print) would make dynamo run it eager. Watch the first call for
+        # dynamo's fallback message and weave around the break if it appears.
+        self._watch_first_call = (
+            self._applied is None
+            and self.plan is not None
+            and mode == "auto"
+            and (
+                bool(self.plan.boundaries)
+                or planner.traces_checkpoint(self.target, call_traced=self._call_traced)
+            )
+        )
+        self._fingerprint = fingerprint
 
     def _apply(self, plan: planner.Plan) -> None:
         self.plan = plan
@@ -271,24 +377,50 @@ class _Dispatcher:
             self._applied = weave.apply_plan(
                 planner.unwrap(self.target), plan, _original("compile"), self.compile_kwargs
             )
+            self._trial = True
+        self.skip_outer_checkpoint = plan.outer_push_down is not None and self._applied is not None
         logger.debug("%s", plan.summary())
         plan_log.record_plan(self, plan)
 
-    def _on_hidden_fallback(self, hits: list[str]) -> None:
+    def _on_hidden_fallback(self, stacks: list[tuple[str, list[Any]]]) -> None:
         with self._lock, guard(f"re-planning {type(self.target).__name__}"):
+            target = planner.unwrap(self.target)
+            located = breaks.locate(target, stacks)
+            spec = planner.checkpoint_spec(target)
+            if not located and spec is not None:
+                # No location from dynamo: the wrapped block breaks somewhere; hoist
+                # (or push-down) around it still compiles all but the break.
+                located = {
+                    id(target._checkpoint_wrapped_module): "a graph break inside (dynamo gave no location)"
+                }
+            settings = _bootstrap.settings()
+            mode = getattr(self.target, MODE_ATTR, None) or settings.mode
+            strategy = getattr(self.target, STRATEGY_ATTR, None) or settings.strategy
+            fullgraph = bool(self.compile_kwargs.get("fullgraph"))
+            breaks.learn(target, located)
+            located = {**breaks.known(target), **self._learned.get("breaks", {}), **located}
+            learned: dict[str, Any] = {"breaks": located}
+            plan = planner.plan(target, mode=mode, strategy=strategy, fullgraph=fullgraph, breaks=located)
+            if not plan.woven:
+                # The checkpoint is in code autoweave could not read (the target's
+                # own forward): weave its children one by one, around that code.
+                learned.update(mode="always", strategy="siblings")
+                plan = planner.plan(target, fullgraph=fullgraph, **learned)
+            self._learned = learned
             logger.info(
-                "%s: dynamo fell back to eager on a checkpoint inside its forward; "
-                "weaving its children from the next call on",
-                type(self.target).__name__,
+                "%s: dynamo ran a checkpointed region eager at the first call (%s); woven from the next call on",
+                plan_log.name_of(self),
+                "; ".join(sorted(set(located.values()))) or "location unknown",
             )
             # Applied at the next call, not now: this call's backward will
             # recompute its checkpoints through the modules as they ran.
-            self._pending = planner.plan(
-                self.target,
-                mode="always",
-                strategy="siblings",
-                fullgraph=bool(self.compile_kwargs.get("fullgraph")),
-            )
+            self._pending = plan
+        # Blocks running the same code met the same break, silently (the
+        # fallback is cached for the wrapper's code): each re-plans at its next call.
+        for other in list(_live):
+            if other is not self:
+                other._fingerprint = None
+        _changes.bump()
 
     def _apply_pending(self) -> None:
         with self._lock, guard(f"weaving {type(self.target).__name__}") as failed:
@@ -300,16 +432,27 @@ class _Dispatcher:
             self._applied = None
 
     def release(self) -> None:
-        """Undo what the current plan installed (before a re-plan)."""
+        """Undo what the current plan installed (before a re-plan, or a fallback)."""
         with self._lock:
             if self._applied is not None:
                 self._applied.revert()
                 self._applied = None
+            self._trial = False
+            self.skip_outer_checkpoint = False
+
+
+def _rebuild_copy(original: nn.Module, duplicate: nn.Module) -> None:
+    """``copy.deepcopy`` of a compiled module: the copy gets a dispatcher of its own."""
+    dispatcher = _instances.dispatcher_of(original)
+    if dispatcher is None or not hasattr(duplicate, "_orig_mod"):
+        return
+    with guard(f"weaving a copy of {type(dispatcher.target).__name__}"):
+        _Dispatcher.attach_to_optimized(duplicate, dict(dispatcher.compile_kwargs))
 
 
 def dispatcher_of(module: nn.Module) -> _Dispatcher | None:
     """The autoweave dispatcher behind ``torch.compile(module)`` or ``module.compile()``."""
-    return module.__dict__.get("_autoweave_dispatcher")
+    return _instances.dispatcher_of(module)
 
 
 def set_mode(module: nn.Module, mode: str | None = None, *, strategy: str | None = None) -> nn.Module:
@@ -324,6 +467,7 @@ def set_mode(module: nn.Module, mode: str | None = None, *, strategy: str | None
             object.__setattr__(obj, MODE_ATTR, mode)
         if strategy is not None:
             object.__setattr__(obj, STRATEGY_ATTR, strategy)
+    _changes.bump()
     return module
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,14 +16,16 @@ from typing import Any
 import torch.nn as nn
 
 from autoweave import _compat, report
-from autoweave.boundaries import PRIOR, own_forward, user_forward
+from autoweave._codegen import on_own_code
+from autoweave._instances import install_forward, restore_forward
+from autoweave.boundaries import own_forward, user_forward
 from autoweave.planner import Action, CheckpointSpec, Plan
 
 _labels = itertools.count()
 
 
 def _fresh_code(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
-    """``fn`` again, on a code object of its own named ``label``.
+    """``fn`` on a code object of its own named ``label``.
 
     Dynamo keeps its cache (and its recompile limit, 8) per code object. Compiling
     every region through one shared function (``Module._call_impl``, a class's
@@ -34,27 +35,15 @@ def _fresh_code(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
     modules apart while identical blocks still share one graph. It also gives
     dynamo a frame outside ``torch.nn`` to start from: in-place compile of a
     built-in leaf such as ``nn.Linear`` otherwise captures nothing.
+
+    For regions that split, the class ``forward`` itself is copied: a graph
+    break inside a function that a trampoline merely calls makes dynamo break at
+    the trampoline's call and trace ``forward``'s own (shared) code as a new
+    frame, under whichever compile reached it first. A copy keeps the split
+    region, and the resume functions dynamo makes at each break, on this
+    region's own cache.
     """
-    code = fn.__code__.replace(co_name=label, co_qualname=label)
-    fresh = types.FunctionType(code, fn.__globals__, label, None, fn.__closure__)
-    fresh.__qualname__ = label
-    return fresh
-
-
-def _copied_forward(forward: Callable[..., Any], label: str) -> Callable[..., Any]:
-    """The class ``forward`` itself on a code object of its own, for regions that split.
-
-    A graph break inside a function that a trampoline merely calls makes dynamo
-    break at the trampoline's call and trace ``forward``'s own (shared) code as a
-    new frame, under whichever compile reached it first. A copy of the code
-    keeps the split region, and the resume functions dynamo makes at each break,
-    on this region's own cache.
-    """
-    code = forward.__code__.replace(co_name=label, co_qualname=label)
-    copy = types.FunctionType(code, forward.__globals__, label, forward.__defaults__, forward.__closure__)
-    copy.__kwdefaults__ = forward.__kwdefaults__
-    copy.__qualname__ = label
-    return copy
+    return on_own_code(fn, label)
 
 
 def _shared_region(forward: Callable[..., Any], checkpoint_fn: Any, label: str) -> Callable[..., Any]:
@@ -132,17 +121,11 @@ class Applied:
     regions: dict[str, str] = field(default_factory=dict)  # module path -> region label (shared code)
 
     def _set_forward(self, module: nn.Module, fn: Any) -> None:
-        previous = own_forward(module)  # a re-plan replaces our own install, not the user's
-        setattr(fn, PRIOR, previous)
-        self.changes.append((module, previous))
-        module.__dict__["forward"] = fn
+        self.changes.append((module, install_forward(module, fn)))
 
     def revert(self) -> None:
         for module, previous in reversed(self.changes):
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.__dict__["forward"] = previous
+            restore_forward(module, previous)
         self.changes.clear()
         self.regions.clear()
 
@@ -196,7 +179,7 @@ def _region_forward(
         checkpoint_fn = None if decision.checkpoint is None else decision.checkpoint.checkpoint_fn
         _shared[key] = (
             compile_fn(
-                _copied_forward(type(module).forward, label)
+                _fresh_code(type(module).forward, label)
                 if decision.action is Action.SPLIT
                 and checkpoint_fn is None
                 and _user_code(type(module).forward)
@@ -230,6 +213,8 @@ def apply_plan(
                 applied.regions[decision.path] = label
             elif decision.action is Action.PUSH_DOWN:
                 forward = _without_checkpoint(module)
+            elif decision.action is Action.EAGER and decision.checkpoint is not None:
+                forward = _with_checkpoint(user_forward(module), decision.checkpoint)
             if decision.opaque:
                 # Keep this checkpointed module out of the enclosing region's
                 # trace: dynamo breaks the graph here instead of giving up on

@@ -1,10 +1,15 @@
-"""torchrun worker for tests/test_report.py: the example MoE under real gloo FSDP2, 2 steps.
+"""Worker for tests/test_report.py: the example MoE under real gloo FSDP2, 2 steps.
 
 ``python -m torch.distributed.run --standalone --nproc_per_node=2 tests/report_worker.py OUT {on,off}``
 compiles each block with a counting backend (``capture.Capture``), autoweave on or
 (``off``) with every compile made inside ``autoweave.disabled()``; the report
 itself comes from ``AUTOWEAVE_REPORT`` in the environment. Rank r writes
 ``OUT/capture{r}.json`` with the counting backend's numbers.
+
+``python tests/report_worker.py OUT on --spawn`` starts the two ranks with
+``torch.multiprocessing.spawn`` instead: no ``RANK`` in any environment, the
+rank is known only to ``torch.distributed``. Each rank destroys its process
+group before exit, so the report must remember the rank it saw.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
+import socket
 import sys
 from pathlib import Path
 
@@ -37,9 +44,32 @@ def _example():
 
 def main() -> None:
     out, weave = Path(sys.argv[1]), sys.argv[2] == "on"
+    if "--spawn" in sys.argv[3:]:
+        _spawn(out, weave)
+        return
     assert autoweave.enable()
     ex = _example()
-    rank, world, device = ex.init_distributed()
+    rank, world, _ = ex.init_distributed()
+    _train(ex, out, weave, rank, world)
+
+
+def _spawned(rank: int, out: Path, weave: bool, port: int) -> None:
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    assert autoweave.enable()
+    _train(_example(), out, weave, rank, 2)
+
+
+def _spawn(out: Path, weave: bool) -> None:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_spawned, args=(out, weave, port), nprocs=2, join=True)
+
+
+def _train(ex, out: Path, weave: bool, rank: int, world: int) -> None:
     args = ex.ModelArgs()
     model = ex.Transformer(args)
     model.init_weights(0)

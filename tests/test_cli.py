@@ -8,9 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn as nn
 
 import autoweave
+from autoweave import __main__ as cli
 from autoweave import doctor, explainer
+from tests.models import Block
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "train_moe.py")
@@ -97,3 +101,72 @@ def test_doctor_with_the_start_up_shell_on_the_path_passes() -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "live check: a fresh python with AUTOWEAVE=1 has torch.compile patched" in proc.stdout
+
+
+class EmbeddedStack(nn.Module):
+    """Embeddings in a ModuleList *before* the layers: the first container is not the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embeddings = nn.ModuleList([nn.Embedding(10, 8), nn.Embedding(10, 8)])
+        self.layers = nn.ModuleList([Block(moe=False)] + [Block() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Dense(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(moe=False) for _ in range(2)])
+
+
+FACTORY = "tests.test_cli:EmbeddedStack"
+
+
+def _explain(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    status = cli.main(["explain", *args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_explain_picks_the_blocks_not_the_first_container(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = _explain(capsys, FACTORY)
+    assert status == 0, err
+    head, plan = out.split("\n", 1)
+    assert "blocks: layers (ModuleList, 4 × Block)" in head
+    assert plan.startswith("autoweave plan: 4 compiled modules, 3 woven\n")
+    assert "embeddings" not in plan
+
+
+def test_explain_blocks_option_names_the_container(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = _explain(capsys, FACTORY, "--blocks", "embeddings")
+    assert status == 0, err
+    assert "blocks: embeddings (ModuleList, 2 × Embedding)" in out
+    assert "  embeddings.0-1 (2 × Embedding): no boundary inside" in out
+    status, out, err = _explain(capsys, FACTORY, "--blocks", "layer")
+    assert (status, out) == (2, "")
+    assert "--blocks 'layer': EmbeddedStack has no submodule by that name" in err
+    assert "embeddings, layers" in err
+
+
+def test_explain_shard_matching_nothing_is_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = _explain(capsys, FACTORY, "--shard", "expert,moe")
+    assert (status, out) == (2, "")
+    assert "is named expert, moe" in err
+    assert "names found in the blocks: norm, ffn, out, router, experts, shared" in err
+    assert "Traceback" not in err
+    # One good name and one typo is still a typo.
+    status, _, err = _explain(capsys, FACTORY, "--shard", "experts,shraed")
+    assert status == 2 and "is named shraed;" in err
+    status, out, _ = _explain(capsys, FACTORY, "--shard", "")
+    assert status == 0 and "FSDP units (simulated): none;" in out
+
+
+def test_explain_default_shard_on_a_dense_model_says_none_found(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = _explain(capsys, "tests.test_cli:Dense")
+    assert status == 0, err
+    assert "FSDP units (simulated): experts (none found in the blocks)" in out
+    assert "autoweave plan: 2 compiled modules, 0 woven" in out

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import capture, plan_log, report
+from autoweave import _log, capture, plan_log, report
 from autoweave._settings import Settings
 from tests.models import Block
 
@@ -141,35 +141,186 @@ def test_instrument_builds_the_backend_torch_would(weave_on) -> None:
     assert filtered["options"] == {"guard_filter_fn": len}
 
 
-def _torchrun(tmp: Path, weave: str) -> tuple[list[dict], list[dict], str]:
+def _run_job(tmp: Path, weave: str, template: str, *, spawn: bool = False) -> tuple[Path, str]:
+    """The example under gloo FSDP2 on 2 ranks, ``AUTOWEAVE=1`` in every process's environment.
+
+    With torchrun the launcher process inherits AUTOWEAVE=1 and AUTOWEAVE_REPORT and
+    imports torch, but compiles nothing; with ``spawn`` no process has RANK set.
+    """
     out = tmp / weave
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOWEAVE") and k != "PYTHONPATH"}
-    env.update(OMP_NUM_THREADS="1", AUTOWEAVE_REPORT=str(out / "r{rank}.json"))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        str(ROOT / "tests" / "report_worker.py"), str(out), weave,
-    ]  # fmt: skip
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    env.update(OMP_NUM_THREADS="1", AUTOWEAVE="1", AUTOWEAVE_REPORT=str(out / template))
+    worker = [str(ROOT / "tests" / "report_worker.py"), str(out), weave]
+    if spawn:
+        cmd = [sys.executable, *worker, "--spawn"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *worker]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    reports = [json.loads((out / f"r{r}.json").read_text()) for r in range(2)]
-    counts = [json.loads((out / f"capture{r}.json").read_text()) for r in range(2)]
-    return reports, counts, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    return out, proc.stderr
 
 
-@pytest.mark.slow
-def test_report_under_gloo_fsdp2_detects_the_fallback_only_without_autoweave(tmp_path: Path) -> None:
-    on, counted, log = _torchrun(tmp_path, "on")
-    for data, cap in zip(on, counted, strict=True):
+def _reports(out: Path) -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(out.glob("r*.json"))}
+
+
+def _check_on(out: Path, log: str) -> None:
+    reports = _reports(out)
+    assert sorted(reports) == ["r0.json", "r1.json"]  # nothing extra from a launcher
+    for rank in range(2):
+        data = reports[f"r{rank}.json"]
+        cap = json.loads((out / f"capture{rank}.json").read_text())
+        assert (data["rank"], data["world_size"]) == (rank, 2)
         assert data["ac_fallbacks"]["count"] == 0
         assert data["totals"]["graphs"] == cap["graphs"] > 0
         assert data["totals"]["ops"] == cap["ops"] > 0
-        assert data["totals"]["woven"] == 3
+        assert data["totals"]["woven"] == 3 and len(data["plans"]) == 4
     assert log.count("autoweave plan: 4 compiled modules, 3 woven") == 1  # rank 0 only, once
     assert "layers.1.moe.experts [FSDPGroupedExperts] boundary: FSDP unit (fully_shard)" in log
-    assert log.count("autoweave report (rank 0 of 2)") == 1
-    off, _, log = _torchrun(tmp_path, "off")
-    for data in off:
-        assert data["ac_fallbacks"]["count"] > 0
-        assert data["totals"]["woven"] == 0
-    assert "checkpointed region(s) fell back to eager" in log
+    # One summary, rank 0's: no "rank 0 of 1" from a launcher or a spawning parent.
+    assert log.count("autoweave report (") == 1
+    assert f"autoweave report (rank 0 of 2) -> {out / 'r0.json'}" in log
+
+
+@pytest.mark.slow
+def test_report_under_torchrun_one_file_per_rank_and_fallback_only_without_autoweave(tmp_path: Path) -> None:
+    out, log = _run_job(tmp_path, "on", "r{rank}.json")
+    _check_on(out, log)
+    # Without {rank} only global rank 0 writes; the launcher (rank 0 of nothing) does not.
+    out, log = _run_job(tmp_path, "off", "report.json")
+    assert sorted(p.name for p in out.glob("*.json")) == ["capture0.json", "capture1.json", "report.json"]
+    data = json.loads((out / "report.json").read_text())
+    assert (data["rank"], data["world_size"]) == (0, 2)
+    assert data["ac_fallbacks"]["count"] > 0 and data["totals"]["woven"] == 0
+    assert log.count("autoweave report (") == 1 and "checkpointed region(s) fell back to eager" in log
+
+
+@pytest.mark.slow
+def test_report_under_mp_spawn_knows_each_rank(tmp_path: Path) -> None:
+    out, log = _run_job(tmp_path, "on", "r{rank}.json", spawn=True)
+    _check_on(out, log)
+
+
+# -- real processes: what is written and printed at exit ------------------------------------
+
+_COMPILE_A_BLOCK = """
+import torch
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+from tests.models import Block
+block = torch.compile(cw.checkpoint_wrapper(Block()), backend="eager")
+block(torch.randn(4, 8)).sum().backward()
+"""
+
+
+def _python(code: str, tmp: Path, **env_vars: str) -> subprocess.CompletedProcess:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("AUTOWEAVE") and k not in ("RANK", "WORLD_SIZE")
+    }
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), AUTOWEAVE="1", **env_vars)
+    prologue = "import autoweave, torch\nassert autoweave.enable()\n"
+    return subprocess.run(
+        [sys.executable, "-c", prologue + code], env=env, capture_output=True, text=True, timeout=300, cwd=tmp
+    )
+
+
+def test_a_process_that_compiles_nothing_writes_and_prints_nothing(tmp_path: Path) -> None:
+    # torchrun's launcher: AUTOWEAVE=1 and AUTOWEAVE_REPORT inherited, torch imported, no RANK.
+    template = str(tmp_path / "r{rank}.json")
+    idle = _python(
+        "from autoweave import report\nassert report.active()\n", tmp_path, AUTOWEAVE_REPORT=template
+    )
+    assert idle.returncode == 0, idle.stderr
+    assert list(tmp_path.iterdir()) == [] and "autoweave" not in idle.stderr
+    # The same process with one compile does write, and says so.
+    busy = _python(_COMPILE_A_BLOCK, tmp_path, AUTOWEAVE_REPORT=template)
+    assert busy.returncode == 0, busy.stderr
+    data = json.loads((tmp_path / "r0.json").read_text())
+    assert (data["rank"], data["world_size"], data["totals"]["modules"]) == (0, 1, 1)
+    assert busy.stderr.count("autoweave report (rank 0 of 1)") == 1
+
+
+_SWAP_STDERR = (
+    """
+import io, sys
+sys.stderr = io.StringIO()  # a test runner's capture file
+"""
+    + _COMPILE_A_BLOCK
+    + """
+block(torch.randn(4, 8)).sum().backward()  # the next step: the plan summary is logged now, into the capture
+other = torch.compile(cw.checkpoint_wrapper(Block()), backend="eager")
+other(torch.randn(4, 8)).sum().backward()  # its summary waits for exit
+sys.stderr, closed = sys.__stderr__, sys.stderr
+closed.close()  # the runner closes its capture before atexit runs
+"""
+)
+
+_CLOSE_STDERR = _COMPILE_A_BLOCK + "\nimport sys\nsys.stderr.close()\n"
+
+
+@pytest.mark.parametrize("code", [_CLOSE_STDERR, _SWAP_STDERR], ids=["closed", "swapped-and-closed"])
+def test_exit_output_never_raises_when_stderr_was_closed(tmp_path: Path, code: str) -> None:
+    # The plan summary (pending: no second step) and the report summary both come at exit.
+    err = tmp_path / "fd2.txt"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("AUTOWEAVE") and k not in ("RANK", "WORLD_SIZE")
+    }
+    env.update(
+        OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), AUTOWEAVE="1", AUTOWEAVE_REPORT=str(tmp_path / "r{rank}.json"),
+    )  # fmt: skip
+    prologue = "import autoweave, torch\nassert autoweave.enable()\n"
+    with open(err, "w") as fd2:
+        proc = subprocess.run(
+            [sys.executable, "-c", prologue + code], env=env, stdout=subprocess.PIPE, stderr=fd2,
+            text=True, timeout=300, cwd=tmp_path,
+        )  # fmt: skip
+    output = proc.stdout + err.read_text()
+    assert proc.returncode == 0, output
+    for needle in ("Traceback", "ValueError", "Logging error", "Exception ignored"):
+        assert needle not in output, output
+    assert json.loads((tmp_path / "r0.json").read_text())["totals"]["modules"] >= 1
+
+
+# -- the rank, decided late -----------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_rank(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(_log, "_seen", None)
+    yield monkeypatch
+
+
+def test_log_lines_carry_the_rank_at_the_time_of_the_record(fresh_rank, capsys) -> None:
+    handler = _log._StderrHandler()
+    handler.setFormatter(logging.Formatter(_log.FORMAT))
+    record = logging.LogRecord("autoweave", logging.WARNING, __file__, 1, "hello", None, None)
+    handler.handle(record)
+    fresh_rank.setenv("RANK", "3")  # the handler was made before the rank was known
+    handler.handle(record)
+    assert capsys.readouterr().err.splitlines() == [
+        "[autoweave rank0] WARNING hello",
+        "[autoweave rank3] WARNING hello",
+    ]
+
+
+def test_rank_comes_from_the_process_group_and_outlives_it(fresh_rank, tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    assert (_log.rank(), _log.world_size(), _log.distributed()) == (0, 1, False)
+    fresh_rank.setenv("RANK", "5")
+    fresh_rank.setenv("WORLD_SIZE", "8")
+    assert (_log.rank(), _log.world_size()) == (5, 8)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert (_log.rank(), _log.world_size(), _log.distributed()) == (0, 1, True)  # the group wins
+    finally:
+        dist.destroy_process_group()
+    assert (_log.rank(), _log.world_size()) == (0, 1)  # remembered: the report is written later

@@ -114,9 +114,10 @@ def test_function_compile_is_untouched():
     compiled = torch.compile(f, backend=cap.backend("eager"))
     x = torch.randn(3)
     torch.testing.assert_close(compiled(x), f(x))
-    # dynamo's own wrapper directly around f (a dispatcher lives only on modules, so checking
-    # for one here could not fail), and dynamo compiled it: one graph, nothing run eager.
+    # dynamo's own wrapper directly around f, with nothing of autoweave's on it, and dynamo
+    # compiled it: one graph, nothing run eager.
     assert compiled._torchdynamo_orig_callable is f
+    assert runtime.dispatcher_of(compiled) is None and not hasattr(compiled, "__autoweave_prior__")
     assert cap.graph_count == 1
 
 

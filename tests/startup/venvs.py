@@ -150,8 +150,28 @@ def parent_site_dirs() -> list[str]:
     return [p for p in site.getsitepackages() if os.path.isdir(p)]
 
 
-def make_venv(root: Path) -> Venv:
-    """A ``--without-pip`` venv that sees the parent's site-packages as plain path entries."""
+def site_view(dest: Path, *, without: tuple[str, ...]) -> Path:
+    """A directory of symlinks to everything in the parent's site-packages except ``without``.
+
+    ``without`` holds distribution names (``wrapt``): the package, its
+    ``.dist-info`` and any ``-stubs`` are left out, so importing it really fails
+    (``ModuleNotFoundError``), as in an environment where it was never installed.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    for directory in parent_site_dirs():
+        for entry in Path(directory).iterdir():
+            stem = entry.name.split("-", 1)[0].split(".", 1)[0].lower()
+            if stem in without or (dest / entry.name).exists():
+                continue
+            (dest / entry.name).symlink_to(entry)
+    return dest
+
+
+def make_venv(root: Path, *, without: tuple[str, ...] = ()) -> Venv:
+    """A ``--without-pip`` venv that sees the parent's site-packages as plain path entries.
+
+    ``without``: distributions to hide from it (see ``site_view``).
+    """
     proc = subprocess.run(
         [sys.executable, "-m", "venv", "--without-pip", str(root)],
         env=child_env(),
@@ -162,7 +182,8 @@ def make_venv(root: Path) -> Venv:
     _check(proc, f"creating the venv {root}")
     venv = Venv(root)
     venv.site_packages.mkdir(parents=True, exist_ok=True)
-    (venv.site_packages / "_parent_paths.pth").write_text("".join(f"{p}\n" for p in parent_site_dirs()))
+    paths = [str(site_view(root / "parent-view", without=without))] if without else parent_site_dirs()
+    (venv.site_packages / "_parent_paths.pth").write_text("".join(f"{p}\n" for p in paths))
     return venv
 
 

@@ -1,0 +1,125 @@
+"""Where dynamo broke a checkpointed region: its user stack, mapped to the modules that hold it.
+
+When dynamo cannot trace a checkpoint as one graph it logs (INFO) that it
+falls back to eager, then logs the ``Unsupported`` error itself, whose
+``real_stack`` holds the user's frames from the compiled frame down to the
+break. The innermost frame that runs a module's forward names the module that
+breaks: the planner then treats it as a boundary and compiles around it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch.nn as nn
+
+from autoweave import boundaries, capture
+
+
+class BreakWatch(logging.Handler):
+    """Collects the user stacks of dynamo's fallback errors while installed (inside a FallbackCounter)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.stacks: list[tuple[str, list[Any]]] = []  # (first line of the reason, frames outermost first)
+        self._logger = logging.getLogger(capture.FALLBACK_LOGGER)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        error = record.msg
+        stack = getattr(error, "real_stack", None)
+        if isinstance(error, BaseException) and stack:
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            self.stacks.append((reason, list(stack)))
+
+    def __enter__(self) -> BreakWatch:
+        self._logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._logger.removeHandler(self)
+
+
+def _span(code: Any) -> tuple[str, int, int] | None:
+    lines = [line for _, _, line in code.co_lines() if line is not None] if hasattr(code, "co_lines") else []
+    if not lines:
+        return None
+    return os.path.abspath(code.co_filename), min(lines), max(lines)
+
+
+def _forward_span(module: nn.Module) -> tuple[str, int, int] | None:
+    code = _forward_code(module)
+    return _span(code) if code is not None else None
+
+
+def locate(target: nn.Module, stacks: list[tuple[str, list[Any]]]) -> dict[int, str]:
+    """Modules of ``target`` (by id) whose own forward holds a break, with a reason naming file:line.
+
+    For each stack, the innermost frame inside a module's forward wins; frames
+    in torch's own files are skipped. Several instances of one class all match
+    (they run the same code).
+    """
+    import torch
+
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    spans: list[tuple[tuple[str, int, int], nn.Module]] = []
+    for _, module in target.named_modules():
+        span = _forward_span(module)
+        if span is not None and not span[0].startswith(torch_dir):  # wrappers' forwards are torch's
+            spans.append((span, module))
+    found: dict[int, str] = {}
+    for reason, frames in stacks:
+        for frame in reversed(frames):  # innermost first
+            filename = os.path.abspath(getattr(frame, "filename", ""))
+            lineno = getattr(frame, "lineno", None) or 0
+            hits = [m for (f, first, last), m in spans if f == filename and first <= lineno <= last]
+            if not hits:
+                continue
+            where = f"{os.path.basename(filename)}:{lineno}"
+            for module in hits:
+                found.setdefault(id(module), f"graph break in its forward at {where} ({reason})")
+            break
+    return found
+
+
+# -- what the process has learned ---------------------------------------------------------
+#
+# Identical blocks share dynamo's cache for the checkpoint wrapper's code, so
+# only the first block to compile logs the fallback; the others silently run
+# the cached eager fallback. What one block taught applies to every module
+# running the same forward code.
+
+_learned: dict[Any, str] = {}  # forward code object -> why it breaks
+
+
+def learn(target: nn.Module, located: dict[int, str]) -> None:
+    """Remember the forward code of each located module (ids from ``locate``) as breaking."""
+    for module in target.modules():
+        reason = located.get(id(module))
+        if reason is not None:
+            code = _forward_code(module)
+            if code is not None:
+                _learned.setdefault(code, reason)
+
+
+def known(target: nn.Module) -> dict[int, str]:
+    """Modules of ``target`` running code already seen breaking (ids -> reason)."""
+    if not _learned:
+        return {}
+    found = {}
+    for module in target.modules():
+        code = _forward_code(module)
+        if code is not None and code in _learned:
+            found[id(module)] = _learned[code]
+    return found
+
+
+def forget() -> None:
+    """Drop what was learned (tests)."""
+    _learned.clear()
+
+
+def _forward_code(module: nn.Module) -> Any:
+    forward = boundaries.user_forward(module)
+    return getattr(getattr(forward, "__func__", forward), "__code__", None)

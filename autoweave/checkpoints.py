@@ -1,0 +1,178 @@
+"""Where a module checkpoints, read before it runs: its forward's code, its ``__call__``.
+
+A checkpoint written in code is invisible in the module tree. Reading names
+(``"checkpoint" in co_names``) misses ``from torch.utils.checkpoint import
+checkpoint as ckpt``, ``self._ckpt = partial(checkpoint, ...)`` and helper
+methods, and falsely matches ``self.checkpoint`` flags. So the code is read
+for what its names *are*: each load of a global, a closure variable or an
+attribute of ``self`` is resolved against the live objects (the function's
+globals, its closure, the module instance), and a call target that resolves
+to torch's ``checkpoint`` (or a ``functools.partial`` of it) counts. User
+functions and methods it calls are read too, a few levels deep.
+
+Best effort by design: what it misses, dynamo's fallback message at the first
+call still catches (see ``runtime``).
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import os
+import sys
+import types
+from typing import Any
+
+_CHECKPOINT_FUNCTIONS = frozenset({"checkpoint", "checkpoint_sequential"})
+_LOADS_FROM = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FAST", "LOAD_FAST_CHECK"}
+_ATTRIBUTE_LOADS = {"LOAD_ATTR", "LOAD_METHOD"}
+_MISSING = object()
+_DEPTH = 3
+
+
+def is_checkpoint(obj: Any) -> bool:
+    """Is ``obj`` torch's activation checkpoint function (or a partial / wrapper of it)?"""
+    for _ in range(8):
+        if isinstance(obj, functools.partial):
+            obj = obj.func
+            continue
+        module = getattr(obj, "__module__", None)
+        name = getattr(obj, "__name__", None)
+        if module == "torch.utils.checkpoint" and name in _CHECKPOINT_FUNCTIONS:
+            return True
+        wrapped = getattr(obj, "__wrapped__", None)
+        if wrapped is None or wrapped is obj:
+            return False
+        obj = wrapped
+    return False
+
+
+def _torch_dir() -> str:
+    import torch
+
+    return os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _is_user_function(fn: Any) -> bool:
+    code = getattr(fn, "__code__", None)
+    return isinstance(code, types.CodeType) and not os.path.abspath(code.co_filename).startswith(_torch_dir())
+
+
+def _instance_attribute(owner: Any, name: str) -> Any:
+    """``owner.name`` without running properties or ``__getattr__`` side effects where avoidable."""
+    found = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+    if found is not _MISSING:
+        return found
+    for store in ("_modules", "_parameters", "_buffers"):
+        found = owner.__dict__.get(store, {}).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+        if found is not _MISSING:
+            return found
+    for cls in type(owner).__mro__:
+        if name in cls.__dict__:
+            attr = cls.__dict__[name]
+            if isinstance(attr, (types.FunctionType, staticmethod, classmethod)):
+                return attr.__get__(owner, type(owner))
+            return _MISSING  # a property or descriptor: not read
+    return _MISSING
+
+
+def _attribute(obj: Any, name: str) -> Any:
+    if obj is _MISSING:
+        return _MISSING
+    if isinstance(obj, types.ModuleType) or isinstance(obj, type):
+        return getattr(obj, name, _MISSING)
+    return _instance_attribute(obj, name)
+
+
+def code_checkpoints(
+    fn: Any, owner: Any = None, *, depth: int = _DEPTH, seen: set[int] | None = None
+) -> bool:
+    """Does calling ``fn`` (a function or bound method; ``owner`` is its ``self``) checkpoint?"""
+    seen = set() if seen is None else seen
+    if isinstance(fn, types.MethodType):
+        owner, fn = fn.__self__, fn.__func__
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if not isinstance(code, types.CodeType) or id(code) in seen:
+        return False
+    seen.add(id(code))
+    return _read(code, fn, owner, depth, seen)
+
+
+def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int]) -> bool:
+    globals_ = getattr(fn, "__globals__", {})
+    cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False))
+    self_name = code.co_varnames[0] if owner is not None and code.co_argcount else None
+    current: Any = _MISSING
+    importing: Any = _MISSING
+    assigned: dict[str, Any] = {}  # locals bound to something resolved (``import ... as``, aliases)
+    previous: Any = None
+    callees: list[tuple[Any, Any]] = []
+    for instruction in dis.get_instructions(code):
+        op, name = instruction.opname, instruction.argval
+        fromlist, previous = previous, instruction.argval
+        if op == "IMPORT_NAME":
+            # Imports inside the function: ``import torch.utils.checkpoint`` binds
+            # the top package, ``from ... import checkpoint as ck`` the attribute.
+            importing = sys.modules.get(name, _MISSING)
+            current = importing if fromlist else sys.modules.get(str(name).split(".")[0], _MISSING)
+            continue
+        if op == "IMPORT_FROM":
+            current = getattr(importing, name, _MISSING) if importing is not _MISSING else _MISSING
+            if is_checkpoint(current):
+                return True
+            continue
+        if op in ("STORE_FAST", "STORE_DEREF", "STORE_NAME"):
+            if current is not _MISSING:
+                assigned[name] = current
+            current = _MISSING
+            continue
+        if op.startswith("LOAD_FAST") and name in assigned:
+            current = assigned[name]
+        elif op in _LOADS_FROM:
+            current = _MISSING
+            if op in ("LOAD_GLOBAL", "LOAD_NAME"):
+                current = globals_.get(name, _MISSING)
+                if current is _MISSING:
+                    builtins = globals_.get("__builtins__", {})
+                    current = (builtins if isinstance(builtins, dict) else vars(builtins)).get(name, _MISSING)
+            elif op in ("LOAD_DEREF", "LOAD_CLASSDEREF") and name in cells:
+                try:
+                    current = cells[name].cell_contents
+                except ValueError:  # an empty cell
+                    current = _MISSING
+            elif op.startswith("LOAD_FAST") and name == self_name:
+                current = owner
+        elif op in _ATTRIBUTE_LOADS:
+            current = _attribute(current, name)
+        else:
+            current = _MISSING
+            continue
+        if current is _MISSING or current is owner:
+            continue
+        if is_checkpoint(current):
+            return True
+        if depth > 0 and callable(current):
+            target = current.__func__ if isinstance(current, types.MethodType) else current
+            if _is_user_function(target):
+                callees.append((current, owner if isinstance(current, types.MethodType) else None))
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType) and id(const) not in seen:
+            # Nested functions and lambdas: their globals are the enclosing function's.
+            seen.add(id(const))
+            if _read(const, fn, None, depth, seen):
+                return True
+    return any(code_checkpoints(c, o, depth=depth - 1, seen=seen) for c, o in callees)
+
+
+def call_checkpoints(module: Any) -> bool:
+    """Does the module's class override ``__call__`` with code that checkpoints (HF's layers do)?"""
+    import torch.nn as nn
+
+    # The class attribute, found as Python would (not callable(): every module is).
+    call = next(
+        (cls.__dict__["__call__"] for cls in type(module).__mro__ if "__call__" in cls.__dict__), None
+    )
+    if call is None or call is nn.Module.__call__ or not _is_user_function(call):
+        return False
+    return code_checkpoints(call, module)

@@ -1,0 +1,195 @@
+"""MoE blocks that break dynamo's graph in the ways real MoE code does, and layers that checkpoint
+where autoweave has to read code to see it. For the tests of issue 11 and the capture benchmark.
+
+Every block maps ``(batch, dim) -> (batch, dim)`` and holds its experts in ``self.experts``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils.checkpoint import checkpoint as ckpt  # an alias, as codebases write it
+
+DIM = 8
+N_EXPERTS = 4
+
+
+class LoopExperts(nn.Module):
+    """Data-dependent routing: a Python loop over experts, each on the tokens routed to it."""
+
+    def __init__(self, dim: int = DIM, n: int = N_EXPERTS) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n, dim, dim) / dim**0.5)
+
+    def forward(self, x: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        counts = torch.bincount(choice, minlength=self.w.shape[0]).tolist()  # a graph break
+        order = torch.argsort(choice)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                idx = order[start : start + n]
+                out = out.index_add(0, idx, torch.relu(x[idx] @ self.w[e]))
+            start += n
+        return out
+
+
+class ItemRouterBlock(nn.Module):
+    """``.item()`` in the router (an aux-loss statistic read on the host)."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.router = nn.Linear(dim, N_EXPERTS)
+        self.experts = LoopExperts(dim)
+        self.out = nn.Linear(dim, dim)
+        self.balance = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        logits = self.router(h)
+        self.balance = logits.softmax(-1).var().item()  # a graph break
+        choice = logits.argmax(-1)
+        return x + self.out(self.experts(h, choice))
+
+
+class GraphBreakExperts(nn.Module):
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.up(x))
+        torch._dynamo.graph_break()  # e.g. a kernel dynamo cannot trace
+        return self.down(h)
+
+
+class BreakBlock(nn.Module):
+    """An explicit break inside the experts; glue (a gated combine) around them."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.gate = nn.Linear(dim, dim)
+        self.experts = GraphBreakExperts(dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.out(self.experts(h) * torch.sigmoid(self.gate(h)))
+
+
+class LoopBlock(nn.Module):
+    """Top-1 routing into a per-expert loop (``.tolist()`` token counts)."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.router = nn.Linear(dim, N_EXPERTS)
+        self.experts = LoopExperts(dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.out(self.experts(h, self.router(h).argmax(-1)))
+
+
+class SimpleExperts(nn.Module):
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.w = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.w(x))
+
+
+class PlainMoE(nn.Module):
+    """No break of its own: its experts are the boundary (marked, or an FSDP unit)."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.experts = SimpleExperts(dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(self.experts(self.norm(x)))
+
+
+class CallCheckpointLayer(PlainMoE):
+    """Checkpoints in an overridden ``__call__``, as transformers' GradientCheckpointingLayer does."""
+
+    gradient_checkpointing = False
+
+    def __call__(self, *args, **kwargs):
+        if self.gradient_checkpointing and self.training:
+            return self._gradient_checkpointing_func(functools.partial(super().__call__, **kwargs), *args)
+        return super().__call__(*args, **kwargs)
+
+    def enable_checkpointing(self, **options) -> CallCheckpointLayer:
+        # What model.gradient_checkpointing_enable() sets on each layer.
+        self._gradient_checkpointing_func = functools.partial(torch_checkpoint.checkpoint, **options)
+        self.gradient_checkpointing = True
+        return self
+
+
+class AliasCheckpointBlock(PlainMoE):
+    """``checkpoint`` imported under another name."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ckpt(super().forward, x, use_reentrant=False)
+
+
+class AttributeCheckpointBlock(PlainMoE):
+    """Checkpoint through an attribute: ``self._ckpt(...)``."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__(dim)
+        self._ckpt = functools.partial(torch_checkpoint.checkpoint, use_reentrant=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ckpt(super().forward, x)
+
+
+class HelperCheckpointBlock(PlainMoE):
+    """Checkpoint in a helper method the forward calls."""
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint.checkpoint(self._body, x, use_reentrant=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x)
+
+
+class FlagNamedCheckpoint(PlainMoE):
+    """An attribute *named* ``checkpoint`` that is a flag: no checkpoint is called."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__(dim)
+        self.checkpoint = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint:
+            return x
+        return super().forward(x)
+
+
+class Stack(nn.Module):
+    """A whole model: blocks in a ModuleList, then a head (compiled as one, as Trainer does)."""
+
+    def __init__(self, blocks: list[nn.Module], dim: int = DIM) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(blocks)
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)

@@ -1,0 +1,81 @@
+"""``capture.FallbackCounter``: overlapping counters leave dynamo's logger as they found it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from autoweave import capture
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def dynamo_logger():
+    log = logging.getLogger(capture.FALLBACK_LOGGER)
+    saved = (log.level, log.propagate)
+    log.setLevel(logging.WARNING)  # torch's default: INFO is not shown
+    log.propagate = True
+    yield log
+    log.setLevel(saved[0])
+    log.propagate = saved[1]
+
+
+def test_counters_uninstalled_out_of_order_restore_the_logger(dynamo_logger: logging.Logger) -> None:
+    first, second = capture.FallbackCounter().install(), capture.FallbackCounter().install()
+    first.uninstall()  # not last-in-first-out
+    assert (dynamo_logger.level, dynamo_logger.propagate) == (logging.INFO, False)  # second still listens
+    dynamo_logger.info("... will fall back to eager-mode PyTorch")
+    assert (first.count, second.count) == (0, 1)
+    second.uninstall()
+    assert (dynamo_logger.level, dynamo_logger.propagate) == (logging.WARNING, True)
+    assert capture._listener not in dynamo_logger.handlers
+
+
+def test_overlapping_counters_pass_a_warning_on_once(dynamo_logger: logging.Logger) -> None:
+    seen = _Records()
+    parent = dynamo_logger.parent
+    assert parent is not None
+    parent.addHandler(seen)
+    try:
+        with capture.FallbackCounter() as a, capture.FallbackCounter() as b:
+            dynamo_logger.warning("shown by torch's handlers as before")
+            dynamo_logger.info("hidden: torch shows no INFO here")
+        assert [r.getMessage() for r in seen.records] == ["shown by torch's handlers as before"]
+        assert a.count == b.count == 0
+    finally:
+        parent.removeHandler(seen)
+
+
+def test_counters_in_two_threads_entered_and_exited_interleaved(dynamo_logger: logging.Logger) -> None:
+    # Thread A enters, B enters, A exits, B exits: the order that left INFO/propagate=False before.
+    steps = [threading.Event() for _ in range(4)]
+    counts: dict[str, int] = {}
+
+    def run(name: str, enter_after: int, exit_after: int, done: int, entered: int) -> None:
+        if enter_after >= 0:
+            steps[enter_after].wait(10)
+        with capture.FallbackCounter() as counter:
+            steps[entered].set()
+            steps[exit_after].wait(10)
+            dynamo_logger.info(f"{name}: will fall back to eager-mode PyTorch")
+        counts[name] = counter.count
+        steps[done].set()
+
+    a = threading.Thread(target=run, args=("a", -1, 1, 2, 0))
+    b = threading.Thread(target=run, args=("b", 0, 2, 3, 1))
+    a.start(), b.start()
+    a.join(20), b.join(20)
+    assert all(step.is_set() for step in steps)
+    # a logged while both listened; b logged after a had left, and still heard its own.
+    assert counts == {"a": 1, "b": 2}
+    assert (dynamo_logger.level, dynamo_logger.propagate) == (logging.WARNING, True)
