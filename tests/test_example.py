@@ -44,7 +44,7 @@ def test_example_trains_with_autoweave_on_and_off_alike(tmp_path: Path, extra: t
         report = json.loads((tmp_path / f"report{rank}.json").read_text())
         assert report["ac_fallbacks"]["count"] == 0, (rank, report["ac_fallbacks"])
         assert report["totals"]["woven"] > 0, rank
-    assert "fell back to eager" not in log  # autoweave's own notice of a missed checkpoint
+    assert "checkpointed regions that fell back to eager: 0" in log  # rank 0's exit summary says so too
     if extra:  # plain torch raises on this order; compare against the uncompiled run
         off, _ = _train(tmp_path, False, "--no-compile")
     else:
