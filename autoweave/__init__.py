@@ -66,8 +66,13 @@ def is_enabled() -> bool:
 
     if not _bootstrap.settings().enabled:
         return False
+    if _bootstrap.off_reason() is not None:
+        return False  # a missing dependency or an unsupported torch: said once, staying off
     if "torch" not in sys.modules:
-        return _bootstrap._hooks_registered
+        # The start-up file registers its hook without going through _bootstrap.
+        from autoweave import _importhook
+
+        return _bootstrap._hooks_registered or _importhook.registered("torch")
     from autoweave import patches
 
     return bool(patches.applied())

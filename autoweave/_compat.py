@@ -155,6 +155,18 @@ def register_module_registration_hook(hook: Any) -> Any:
     return None if register is None else register(hook)
 
 
+def reset_code(code: Any) -> bool:
+    """Drop dynamo's cache entries for one code object (its next call recompiles); False if unsupported."""
+    try:
+        import torch._dynamo
+
+        reset = torch._dynamo.reset_code
+    except (ImportError, AttributeError):
+        return False
+    reset(code)
+    return True
+
+
 @functools.cache
 def torch_logging_internal() -> Any:
     """``torch._logging._internal`` when it has what ``_torchlogs`` uses, else None."""

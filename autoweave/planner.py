@@ -435,6 +435,13 @@ class _Planner:
         for child_path, child in _walk(module, path):
             child = unwrap(child)
             kind = self.tree.kind(child)
+            if id(child) in self.tree.breaking and checkpoint_spec(child) is None:
+                # A break dynamo met in its own forward: the enclosing region splits
+                # there by itself (as with AC outside the compile); no region of its own.
+                self.add(child_path, child, Action.BOUNDARY, f"{kind} → the enclosing region splits there")
+                if self.tree.has_boundary_below(child):
+                    self.inside_split(child_path, child, ctx)
+                continue
             if kind is not None:
                 self.boundary(child_path, child, kind, ctx, opaque=True)
                 continue

@@ -19,7 +19,18 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _bootstrap, _changes, _instances, breaks, capture, plan_log, planner, report, weave
+from autoweave import (
+    _bootstrap,
+    _changes,
+    _compat,
+    _instances,
+    breaks,
+    capture,
+    plan_log,
+    planner,
+    report,
+    weave,
+)
 from autoweave._failopen import AutoweaveError, _strict, guard, warn_each
 from autoweave._log import logger
 
@@ -423,6 +434,11 @@ class _Dispatcher:
             if other is not self:
                 other._fingerprint = None
         _changes.bump()
+        # That cached fallback also answers *other* modules sharing the code whose
+        # guards it passes (a dense block behind the same CheckpointWrapper.forward
+        # would run eager from then on): drop the cache of the code it was traced on.
+        with guard("clearing dynamo's cached fallback"):
+            _forget_traced_code(self.target)
 
     def _apply_pending(self) -> None:
         with self._lock, guard(f"weaving {type(self.target).__name__}") as failed:
@@ -441,6 +457,19 @@ class _Dispatcher:
                 self._applied = None
             self._trial = False
             self.skip_outer_checkpoint = False
+
+
+def _forget_traced_code(target: nn.Module) -> None:
+    codes = set()
+    for module in target.modules():
+        for cls in type(module).__mro__:
+            for name in ("forward", "__call__"):
+                fn = cls.__dict__.get(name)
+                code = getattr(fn, "__code__", None)
+                if code is not None and fn is not nn.Module.__call__:
+                    codes.add(code)
+    for code in codes:
+        _compat.reset_code(code)
 
 
 def _rebuild_copy(original: nn.Module, duplicate: nn.Module) -> None:

@@ -77,10 +77,10 @@ def _ac_kwargs(ac: str) -> dict[str, Any]:
     return {}
 
 
-def _fsdp(model: nn.Module, mesh: Any, expert_mesh: Any, *, block: bool = True) -> None:
+def _fsdp(model: nn.Module, mesh: Any, expert_mesh: Any, *, block: bool = True, experts: bool = True) -> None:
     for b in model.layers.values():
         inner = tm._unwrap(b)
-        if getattr(inner, "moe_enabled", False):
+        if experts and getattr(inner, "moe_enabled", False):
             fully_shard(inner.moe.experts, mesh=expert_mesh)
         if block:
             fully_shard(b, mesh=mesh)
@@ -94,6 +94,20 @@ class CheckpointedFFNBlock(tm.TransformerBlock):
         h = x + self.attention(self.attention_norm(x))
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + torch.utils.checkpoint.checkpoint(ffn, self.ffn_norm(h), use_reentrant=False)
+
+
+class BreakingExperts(tm.GroupedExperts):
+    """Experts that break dynamo's graph themselves (a kernel dynamo cannot trace, say)."""
+
+    def forward(self, x: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return super().forward(x, expert_weights)
+
+
+def _break_experts(model: nn.Module) -> None:
+    for b in model.layers.values():
+        if b.moe_enabled:
+            b.moe.experts.__class__ = BreakingExperts
 
 
 def _sibling_weave(block: nn.Module, backend: Any) -> None:
@@ -159,6 +173,21 @@ def build(order: str, ac: str, backend: Any, mesh: Any, expert_mesh: Any, args: 
             layers[k].compile(backend=backend)
             layers[k].compile(backend=backend)
         _fsdp(model, mesh, expert_mesh)
+    elif order == "whole_model":  # AC and FSDP per block, then the whole model compiled (HF Trainer)
+        for k, b in layers.items():
+            layers[k] = wrap(b, preserve_rng_state=False, **ckw)
+        _fsdp(model, mesh, expert_mesh)
+        model.compile(backend=backend)
+    elif order == "break_compile_ac":  # a graph break in the experts, no FSDP unit there
+        _break_experts(model)
+        for k, b in layers.items():
+            layers[k] = torch.compile(wrap(b, preserve_rng_state=False, **ckw), backend=backend)
+        _fsdp(model, mesh, expert_mesh, experts=False)
+    elif order == "break_ac_compile":  # the same model, AC outside the compile (plain torch copes)
+        _break_experts(model)
+        for k, b in layers.items():
+            layers[k] = wrap(torch.compile(b, backend=backend), preserve_rng_state=False, **ckw)
+        _fsdp(model, mesh, expert_mesh, experts=False)
     elif order == "hand_siblings":  # hand-written sibling weave under eager AC
         for k, b in layers.items():
             if b.moe_enabled:
@@ -194,6 +223,9 @@ ORDERS = (
     "no_block_fsdp",
     "ckpt_in_forward",
     "compile_twice",
+    "whole_model",
+    "break_compile_ac",
+    "break_ac_compile",
     "hand_siblings",
     "hand_ac_compile",
     "upper_bound",

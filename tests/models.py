@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn as nn
+
+from autoweave import capture
 
 
 def _noop(module: nn.Module, args: tuple) -> None:
@@ -47,3 +51,27 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.out(self.ffn(self.norm(x)))
+
+
+class RecompileLimitHits(logging.Handler):
+    """Dynamo's recompile-limit warnings, heard on dynamo's own logger while installed.
+
+    torch's loggers do not propagate to the root logger (``torch`` has ``propagate=False``),
+    so pytest's ``caplog`` never sees dynamo's warning: listen where dynamo logs it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        self._logger = logging.getLogger(capture.RECOMPILE_LIMIT_LOGGER)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if capture.RECOMPILE_LIMIT_NEEDLE in record.getMessage():
+            self.messages.append(record.getMessage())
+
+    def __enter__(self) -> RecompileLimitHits:
+        self._logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.removeHandler(self)

@@ -11,7 +11,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
 from autoweave import capture, runtime
-from tests.models import Block, make_break
+from tests.models import Block, RecompileLimitHits, make_break
 
 
 @pytest.fixture(autouse=True)
@@ -110,10 +110,15 @@ def test_function_compile_is_untouched():
     def f(x):
         return torch.sin(x) + 1
 
-    compiled = torch.compile(f, backend="eager")
+    cap = capture.Capture()
+    compiled = torch.compile(f, backend=cap.backend("eager"))
     x = torch.randn(3)
     torch.testing.assert_close(compiled(x), f(x))
+    # dynamo's own wrapper directly around f, with nothing of autoweave's on it, and dynamo
+    # compiled it: one graph, nothing run eager.
+    assert compiled._torchdynamo_orig_callable is f
     assert runtime.dispatcher_of(compiled) is None and not hasattr(compiled, "__autoweave_prior__")
+    assert cap.graph_count == 1
 
 
 def test_mode_off_and_per_module_override():
@@ -180,10 +185,23 @@ def test_32_same_class_leaf_regions_with_different_shapes_never_hit_recompile_li
     stack = Stack()
     stack.compile(backend=cap.backend(), fullgraph=True)
     xs = [torch.randn(2, d) for d in dims]
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING), RecompileLimitHits() as hits:
         stack(xs)
     assert cap.graph_count == 33  # every leaf captured on its own frame, none fell back
-    assert "recompile" not in caplog.text.lower()
+    assert hits.messages == []  # dynamo's own warning (caplog cannot hear torch's loggers)
+    assert "recompile" not in caplog.text.lower()  # nor autoweave's
+
+
+def test_recompile_limit_listener_hears_plain_torch_hit():
+    # The listener the recompile-limit checks rely on does hear dynamo: plain torch compiling
+    # same-class leaves of different shapes shares one code object and hits the limit.
+    torch._dynamo.reset()
+    with autoweave.disabled():
+        leaves = [torch.compile(nn.Linear(d, d), backend="eager", dynamic=False) for d in (2, 3, 4)]
+    with torch._dynamo.config.patch(recompile_limit=1), RecompileLimitHits() as hits:
+        for d, leaf in zip((2, 3, 4), leaves, strict=True):
+            leaf(torch.randn(1, d))
+    assert hits.messages, "no recompile-limit warning heard"
 
 
 def test_failure_inside_planning_falls_back_with_one_warning(monkeypatch, capsys):
@@ -301,14 +319,16 @@ def test_32_layer_mixed_dense_and_moe_stack_no_fallback_no_recompile_limit(compi
         layers.append(wrapped)
     stack = nn.Sequential(*layers)
     x = torch.randn(4, 8)
-    with capture.FallbackCounter() as fallbacks, caplog.at_level(logging.WARNING):
+    listeners = capture.FallbackCounter(), RecompileLimitHits()
+    with listeners[0] as fallbacks, listeners[1] as hits, caplog.at_level(logging.WARNING):
         for _ in range(2):
             out = stack(x)
             out.square().mean().backward()
             ref = ref_stack(x)
             ref.square().mean().backward()
     assert fallbacks.count == 0
-    assert "recompile_limit" not in caplog.text and "recompile limit" not in caplog.text
+    assert hits.messages == []  # dynamo's own warning (caplog cannot hear torch's loggers)
+    assert "recompile_limit" not in caplog.text and "recompile limit" not in caplog.text  # nor autoweave's
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     for p, q in zip(stack.parameters(), ref_stack.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

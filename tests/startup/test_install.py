@@ -132,6 +132,18 @@ def test_on_without_torch_editable(editable_venv: venvs.Venv) -> None:
     assert proc.stdout.strip() == "['_autoweave_start']", proc.stderr
 
 
+IS_ENABLED = "import autoweave; a = autoweave.is_enabled(); import torch; print(a, autoweave.is_enabled())"
+
+
+@pytest.mark.parametrize("value, expected", [("1", "True True"), (None, "False False")])
+def test_is_enabled_before_and_after_torch(installed_venv: venvs.Venv, value: str | None, expected: str) -> None:
+    # With AUTOWEAVE=1 the start-up file registers its hook itself: is_enabled() must know.
+    env = venvs.child_env({} if value is None else {"AUTOWEAVE": value})
+    proc = installed_venv.run(["-c", IS_ENABLED], env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == expected
+
+
 def test_on_patches_torch(any_install: venvs.Venv, probe_dir: Path) -> None:
     state, proc = run_probe(any_install, probe_dir, "torch", "cw", env={"AUTOWEAVE": "1"})
     assert sorted(state["at_start"]) == ["_autoweave_start"]

@@ -17,7 +17,7 @@ import torch.nn as nn
 import wrapt
 
 import autoweave
-from autoweave import _bootstrap, _importhook, patches, runtime
+from autoweave import _bootstrap, _importhook, _settings, patches, runtime
 from autoweave._settings import Settings
 
 ALL_PATCHES = ["checkpoint_wrapper", "compile", "module_compile"]
@@ -214,6 +214,8 @@ def test_disabled_context_nests_and_resets_on_error() -> None:
 
 
 def test_functions_pass_straight_through() -> None:
+    from autoweave import capture
+
     autoweave.enable()
     calls = []
 
@@ -221,10 +223,36 @@ def test_functions_pass_straight_through() -> None:
         calls.append(1)
         return x * 3
 
-    compiled = torch.compile(fn, backend="eager")
+    # Dynamo's own wrapper straight around fn (no autoweave layer between), compiled by
+    # dynamo (one graph each, not run eager), and the body's side effect kept.
+    direct, called = capture.Capture(), capture.Capture()
+    compiled = torch.compile(fn, backend=direct.backend("eager"))
+    assert compiled._torchdynamo_orig_callable is fn
     assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 3.0))
-    decorated = torch.compile(backend="eager")(fn)
+    assert calls == [1] and direct.graph_count == 1
+    decorated = torch.compile(backend=called.backend("eager"))(fn)
+    assert decorated._torchdynamo_orig_callable is fn
     assert torch.equal(decorated(torch.ones(2)), torch.full((2,), 3.0))
+    assert calls == [1, 1] and called.graph_count == 1
+
+
+@pytest.mark.parametrize("name", _settings.PATCH_NAMES)
+def test_each_disabled_patch_name_leaves_that_function_alone(name: str) -> None:
+    # Every name AUTOWEAVE_DISABLED_PATCHES accepts switches off exactly the patch it names.
+    settings = Settings.from_environ({"AUTOWEAVE": "1", "AUTOWEAVE_DISABLED_PATCHES": name})
+    assert settings.problems == ()
+    _bootstrap.reload_settings(settings)
+    _bootstrap.install()
+    assert patches.applied() == [n for n in ALL_PATCHES if n != name]
+    current = targets()
+    originals = {
+        "compile": ORIGINAL_COMPILE,
+        "module_compile": ORIGINAL_MODULE_COMPILE,
+        "checkpoint_wrapper": ORIGINAL_CHECKPOINT_WRAPPER,
+    }
+    for patch, original in originals.items():
+        assert (current[patch] is original) == (patch == name), patch
+        assert layers(current[patch]) == (0 if patch == name else 1), patch
 
 
 def test_checkpoint_wrapper_still_wraps() -> None:

@@ -132,11 +132,71 @@ CHOICES = [
 ]
 
 
-def test_choice_tables_are_what_the_docs_say() -> None:
-    assert _settings.LOG_LEVELS == ("debug", "info", "warning", "error", "critical")
-    assert _settings.MODES == ("auto", "always", "off")
-    assert _settings.STRATEGIES == ("auto", "hoist", "push-down", "siblings")
-    assert _settings.PATCH_NAMES == ("compile", "module_compile", "checkpoint_wrapper")
+def _documented_values(variable: str) -> list[str]:
+    """The values README.md's switches table lists for ``variable`` (its second column)."""
+    text = (REPO_ROOT / "README.md").read_text()
+    row = re.search(rf"^\|\s*`{variable}`\s*\|([^|]*)\|", text, flags=re.M)
+    assert row, f"README.md's switches table has no row for {variable}"
+    tokens = re.findall(r"`([^`]*)`", row.group(1))
+    return [v for token in tokens for v in re.split(r"[/,]", token) if v]
+
+
+@pytest.mark.parametrize(("variable", "field", "accepted", "default"), CHOICES)
+def test_documented_choices_are_exactly_the_accepted_ones(
+    variable: str, field: str, accepted: tuple[str, ...], default: str | None
+) -> None:
+    documented = _documented_values(variable)
+    assert documented, variable
+    for value in documented:
+        s = parse(**{variable: value})
+        assert getattr(s, field) == value and s.problems == (), (variable, value)
+    # ... and nothing the parser accepts is missing from the table.
+    assert sorted(documented) == sorted(accepted)
+
+
+def test_documented_flag_and_patch_values_parse() -> None:
+    on, off = _documented_values("AUTOWEAVE")[:4], _documented_values("AUTOWEAVE")[4:]
+    assert on and off
+    assert all(parse(AUTOWEAVE=v).enabled and not parse(AUTOWEAVE=v).problems for v in on)
+    assert all(not parse(AUTOWEAVE=v).enabled and not parse(AUTOWEAVE=v).problems for v in off)
+    names = _documented_values("AUTOWEAVE_DISABLED_PATCHES")
+    s = parse(AUTOWEAVE_DISABLED_PATCHES=",".join(names))
+    assert s.disabled_patches == frozenset(names) and s.problems == ()
+
+
+def test_every_accepted_mode_and_strategy_is_understood_by_the_planner() -> None:
+    # The settings reader and the planner each validate these names: they must agree, or a
+    # value accepted from the environment fails later, at the first compile.
+    import torch.nn as nn
+
+    from autoweave import planner
+
+    for mode in _settings.MODES:
+        assert planner.plan(nn.Linear(2, 2), mode=parse(AUTOWEAVE_MODE=mode).mode).mode == mode
+    for strategy in _settings.STRATEGIES:
+        plan = planner.plan(nn.Linear(2, 2), strategy=parse(AUTOWEAVE_STRATEGY=strategy).strategy)
+        assert plan.strategy == strategy
+    for rejected in ("sometimes", "push_down"):
+        with pytest.raises(ValueError):
+            planner.plan(nn.Linear(2, 2), mode=rejected, strategy=rejected)
+
+
+@pytest.mark.parametrize("level", _settings.LOG_LEVELS)
+def test_every_accepted_log_level_sets_the_logger(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    from autoweave import _log
+
+    monkeypatch.setattr(_log, "_handler", None)
+    saved_level = _log.logger.level
+    try:
+        _log.configure(parse(AUTOWEAVE_LOG_LEVEL=level.upper()).log_level)
+        assert _log.logger.level == getattr(logging, level.upper())
+        assert _log._handler in _log.logger.handlers
+    finally:
+        if _log._handler is not None:
+            _log.logger.removeHandler(_log._handler)
+        _log.logger.setLevel(saved_level)
 
 
 @pytest.mark.parametrize(("variable", "field", "accepted", "default"), CHOICES)
@@ -194,6 +254,7 @@ def test_any_autoweave_value_is_on_off_or_reported(value: str) -> None:
 
 
 def test_start_up_prechecks_agree_with_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
     import sys
     import types
 
@@ -216,8 +277,31 @@ def test_start_up_prechecks_agree_with_settings(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.setenv("AUTOWEAVE", value)
         exec(line, {})
     assert len(calls) == len(_settings.TRUE_VALUES) + 2
-    shell = (REPO_ROOT / "sitecustomize" / "sitecustomize.py").read_text().replace('"', "'")
-    assert "('', '0', 'false', 'no', 'off')" in shell
+
+    # The checkout's start-up shell makes the same off/on decision (its _start, run alone so the
+    # shadowed-sitecustomize chaining and the real start-up never run here).
+    import ast
+
+    from autoweave import _bootstrap
+
+    shell = REPO_ROOT / "sitecustomize" / "sitecustomize.py"
+    tree = ast.parse(shell.read_text())
+    start = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_start")
+    namespace: dict = {"os": os, "sys": sys, "__file__": str(shell)}
+    exec(compile(ast.Module(body=[start], type_ignores=[]), "sitecustomize.py", "exec"), namespace)
+    started: list[int] = []
+    monkeypatch.setattr(_bootstrap, "startup", lambda: started.append(1))
+    monkeypatch.setattr(sys, "path", list(sys.path))  # _start may put the checkout first
+    for value in (*_settings.FALSE_VALUES, " OFF ", "No", "FALSE"):
+        monkeypatch.setenv("AUTOWEAVE", value)
+        namespace["_start"]()
+    monkeypatch.delenv("AUTOWEAVE")
+    namespace["_start"]()
+    assert started == []
+    for value in (*_settings.TRUE_VALUES, " On ", "maybe"):
+        monkeypatch.setenv("AUTOWEAVE", value)
+        namespace["_start"]()
+    assert len(started) == len(_settings.TRUE_VALUES) + 2
 
 
 def test_settings_is_frozen_and_hashable() -> None:
