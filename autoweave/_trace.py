@@ -55,17 +55,7 @@ def plan_payload(entry: Any) -> dict[str, Any]:
         "mode": plan.mode,
         "strategy": plan.strategy,
         "summary": plan_log.format_plan(plan, name=entry.name, type_name=entry.type_name),
-        "decisions": [
-            {
-                "path": plan_log._join(entry.name, d.path),
-                "type": d.module_type,
-                "action": d.action.value,
-                "reason": d.reason,
-                "region": entry.regions.get(d.path),
-                "source": _where.source_dict(plan, d.path),
-            }
-            for d in plan.decisions
-        ],
+        "decisions": plan_log.decision_records(entry),
         "boundaries": [
             {"path": plan_log._join(entry.name, path), "kind": kind, "source": _where.source_dict(plan, path)}
             for path, kind in plan.boundaries

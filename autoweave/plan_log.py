@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoweave import _trace, report
+from autoweave import _trace, _where, report
 from autoweave._instances import dispatcher_of
 from autoweave._log import SUMMARY, logger, rank
 from autoweave.planner import Action, Plan
@@ -287,3 +287,18 @@ def name_of(dispatcher: Any) -> str:
         entry = _entries.get(id(dispatcher))
     type_name = inner_type(dispatcher.target)
     return f"{entry.name} ({type_name})" if entry is not None and entry.name else type_name
+
+
+def decision_records(entry: Entry) -> list[dict[str, Any]]:
+    """An entry's decisions as the report and the structured trace write them (JSON-ready)."""
+    return [
+        {
+            "path": _join(entry.name, d.path),
+            "type": d.module_type,
+            "action": d.action.value,
+            "reason": d.reason,
+            "region": entry.regions.get(d.path),
+            "source": _where.source_dict(entry.plan, d.path),
+        }
+        for d in entry.plan.decisions
+    ]

@@ -229,17 +229,7 @@ class _Stats:
                     "mode": entry.plan.mode,
                     "strategy": entry.plan.strategy,
                     "summary": plan_log._head(entry.plan),
-                    "decisions": [
-                        {
-                            "path": plan_log._join(entry.name, d.path),
-                            "type": d.module_type,
-                            "action": d.action.value,
-                            "reason": d.reason,
-                            "region": entry.regions.get(d.path),
-                            "source": _where.source_dict(entry.plan, d.path),  # autoweave/_where.py
-                        }
-                        for d in entry.plan.decisions
-                    ],
+                    "decisions": plan_log.decision_records(entry),
                     "region": None if entry.plan.woven else entry.plain_label,
                 }
             )

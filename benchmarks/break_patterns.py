@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import autoweave
 from autoweave import capture
@@ -57,18 +56,8 @@ def _fsdp_like(module: nn.Module) -> nn.Module:
     return module
 
 
-def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _ac(block: nn.Module, ac: str) -> nn.Module:
-    if ac == "selective":
-        return cw.checkpoint_wrapper(
-            block, context_fn=functools.partial(create_selective_checkpoint_contexts, _policy)
-        )
-    return cw.checkpoint_wrapper(block)
+_ac = bm.with_ac
+_policy = bm.save_matmuls
 
 
 def _stack(blocks: list[nn.Module]) -> nn.Module:

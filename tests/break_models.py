@@ -11,10 +11,28 @@ import functools
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as torch_checkpoint
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as ckpt  # an alias, as codebases write it
 
 DIM = 8
 N_EXPERTS = 4
+
+
+def save_matmuls(ctx, op, *args, **kwargs):
+    """A selective-AC policy: keep matmul outputs, recompute the rest."""
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def with_ac(block: nn.Module, ac: str) -> nn.Module:
+    """``checkpoint_wrapper(block)``, full AC or selective AC with ``save_matmuls``."""
+    if ac == "selective":
+        return cw.checkpoint_wrapper(
+            block, context_fn=functools.partial(create_selective_checkpoint_contexts, save_matmuls)
+        )
+    return cw.checkpoint_wrapper(block)
 
 
 class LoopExperts(nn.Module):
