@@ -218,12 +218,16 @@ _watch_lock = threading.Lock()
 
 
 def watch_graph_breaks() -> None:
-    """Start recording where graph breaks happen (idempotent; the report turns it on)."""
+    """Start recording where graph breaks happen, from now on (the report turns it on)."""
     global _watch
     with _watch_lock:
         if _watch is None:
             _watch = _GraphBreakWatch()
             _watch.install()
+        else:
+            # A new report starts: it owns the sites seen from here, not an earlier report's.
+            with _watch._lock_sites:
+                _watch.sites.clear()
 
 
 def _sites() -> list[BreakSite]:
