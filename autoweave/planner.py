@@ -273,12 +273,18 @@ class _Planner:
             self.region(path, module, ctx, Action.COMPILE, "no boundary inside: compiled whole")
             return
         hidden = calls_checkpoint(module)
-        if self.can_split(ctx) and self.strategy != "siblings" and not hidden:
+        # Boundaries inside a ModuleList/ModuleDict child are called from a loop in
+        # this forward, and dynamo cannot resume a frame inside a loop after a break:
+        # it would run this whole forward eager (the blocks' neighbours too).
+        looped = any(_is_container(c) and self.tree.has_boundary_below(c) for c in module.children())
+        if self.can_split(ctx) and self.strategy != "siblings" and not hidden and not looped:
             self.split(path, module, ctx, "compiled; dynamo splits it at the boundaries inside")
             return
         why = (
             "its forward calls checkpoint: children compiled one by one"
             if hidden
+            else "its forward loops over blocks holding boundaries: children compiled one by one"
+            if looped
             else "fullgraph: each region compiled on its own"
             if ctx.fullgraph
             else "AC pushed into each region"

@@ -136,6 +136,12 @@ def _compile(model: nn.Module, how: str, backend: Any) -> nn.Module:
 
 def _run(build: Any, how: str, ac: str, on: bool, backend: str, steps: int) -> dict[str, Any]:
     torch._dynamo.reset()
+    try:  # each row on its own: forget breaks an earlier row taught (autoweave builds that learn)
+        from autoweave import breaks
+
+        breaks.forget()
+    except ImportError:
+        pass
     torch.manual_seed(0)
     eager = build(ac)
     model = copy.deepcopy(eager)

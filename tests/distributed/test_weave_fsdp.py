@@ -87,7 +87,11 @@ def test_woven_orders_never_fall_back_and_match_eager(full: dict, order: str) ->
     # only the root's output projection here (nothing else of the model runs eager).
     best_hand = min(full[(h, False)]["eager_gemms"] for h in HAND)
     assert on["eager_gemms"] <= best_hand
-    assert on["eager_gemms"] == full[("upper_bound", False)]["eager_gemms"]
+    # The upper bound's count, or fewer: a whole-model compile also compiles the root's output
+    # projection (its forward loops over the blocks, so it is woven and the head is a region).
+    assert on["eager_gemms"] <= full[("upper_bound", False)]["eager_gemms"]
+    if order != "whole_model":
+        assert on["eager_gemms"] == full[("upper_bound", False)]["eager_gemms"]
     if "error" not in off:
         assert on["eager_gemms"] < off["eager_gemms"]
         assert on["ops"] > off["ops"]
