@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import autoweave
 from autoweave import breaks, capture, checkpoints, planner, runtime
@@ -245,9 +246,41 @@ def test_report_tells_a_one_time_first_call_fallback_from_a_lasting_one():
     assert data["ac_fallbacks"]["count"] == data["ac_fallbacks"]["woven_around"] == 1
     plain = [r for r in data["regions"] if r["kind"] == "plain"]
     woven = [r for r in data["regions"] if r["kind"] == "woven"]
-    assert plain and not any(r["live"] for r in plain), data["regions"]  # compiled at the first call, replaced since
+    assert plain and not any(r["live"] for r in plain), data[
+        "regions"
+    ]  # compiled at the first call, replaced since
     assert woven and all(r["live"] for r in woven)
     assert data["totals"]["graphs"] == sum(r["graphs"] for r in woven)
     summary = report.format_exit_summary(data, None)
     assert "WARNING" not in summary
     assert "at their first call only" in summary and "replaced by the weave" in summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [bm.BreakBlock, bm.LoopBlock], ids=lambda c: c.__name__)
+def test_selective_policy_sees_the_ops_it_was_written_for_with_inductor(make):
+    # With inductor, an eager SAC wrapper around compiled code would hand the policy
+    # inductor's ``.out`` kernels; around a break autoweave keeps the policy inside.
+    seen: set[tuple[str, str]] = set()
+
+    def recording(ctx, op, *args, **kwargs):
+        decision = bm.save_matmuls(ctx, op, *args, **kwargs)
+        seen.add((str(op), decision.name))
+        return decision
+
+    def run(model: nn.Module) -> set[tuple[str, str]]:
+        seen.clear()
+        _train(model, torch.randn(6, bm.DIM), steps=3)
+        return set(seen)
+
+    torch.manual_seed(0)
+    block = make()
+    context = functools.partial(create_selective_checkpoint_contexts, recording)
+    eager = run(cw.checkpoint_wrapper(copy.deepcopy(block), context_fn=context))
+    model = torch.compile(cw.checkpoint_wrapper(block, context_fn=context), backend="inductor")
+    woven = run(model)
+    assert runtime.dispatcher_of(model).plan.woven
+    assert not [op for op, _ in woven if op.endswith(".out")], woven
+    saved = {op for op, decision in woven if decision == "MUST_SAVE"}
+    assert saved and saved <= {op for op, decision in eager if decision == "MUST_SAVE"}
+    assert "aten.addmm.default" in saved
