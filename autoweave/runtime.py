@@ -343,20 +343,21 @@ class _Dispatcher:
                 self._plain = self._make_plain()
         return self._plain(*args, **kwargs)
 
+    def _mode_and_strategy(self) -> tuple[str, str]:
+        """The weave mode and AC strategy for this target: ``set_mode`` first, then the settings."""
+        settings = _bootstrap.settings()
+        mode = getattr(self.target, MODE_ATTR, None) or settings.mode
+        return mode, getattr(self.target, STRATEGY_ATTR, None) or settings.strategy
+
     def _decide(self, fingerprint: tuple) -> None:
         self.release()
         self.fell_back = False
-        settings = _bootstrap.settings()
-        mode = getattr(self.target, MODE_ATTR, None) or settings.mode
-        strategy = getattr(self.target, STRATEGY_ATTR, None) or settings.strategy
+        mode, strategy = self._mode_and_strategy()
         with guard(f"planning {type(self.target).__name__}") as failed:
             outer = self.outer() if self.outer is not None else None
-            options: dict[str, Any] = {
-                "mode": mode,
-                "strategy": strategy,
-                "breaks": breaks.known(self.target),
-            }
-            options.update(self._learned)
+            options: dict[str, Any] = {"mode": mode, "strategy": strategy, **self._learned}
+            # What this process learned since (other blocks' breaks) joins what this one learned.
+            options["breaks"] = {**breaks.known(self.target), **self._learned.get("breaks", {})}
             plan = planner.plan(
                 self.target,
                 fullgraph=bool(self.compile_kwargs.get("fullgraph")),
@@ -406,9 +407,7 @@ class _Dispatcher:
                 located = {
                     id(target._checkpoint_wrapped_module): "a graph break inside (dynamo gave no location)"
                 }
-            settings = _bootstrap.settings()
-            mode = getattr(self.target, MODE_ATTR, None) or settings.mode
-            strategy = getattr(self.target, STRATEGY_ATTR, None) or settings.strategy
+            mode, strategy = self._mode_and_strategy()
             fullgraph = bool(self.compile_kwargs.get("fullgraph"))
             breaks.learn(target, located)
             located = {**breaks.known(target), **self._learned.get("breaks", {}), **located}
