@@ -26,7 +26,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Callable
     from typing import Any
 
-    Hook = Callable[[Any], None]
+    # A callable, or "package.module:function" resolved when it fires (as
+    # wrapt's post-import hooks allow): this module imports nothing of autoweave.
+    Hook = Callable[[Any], None] | str
 
 _lock = _thread.RLock()
 _hooks: "dict[str, list[Hook]]" = {}
@@ -94,7 +96,20 @@ def _fire(name: str) -> None:
     # Hooks run outside the lock: a hook that imports another hooked module
     # must not deadlock.
     for hook in hooks:
-        hook(sys.modules[name])
+        function = _resolve(hook) if isinstance(hook, str) else hook
+        if function is not None:
+            function(sys.modules[name])
+
+
+def _resolve(target: str) -> "Callable[..., Any] | None":
+    """``"package.module:function"`` imported now; a broken install warns and yields None."""
+    module_name, _, attribute = target.partition(":")
+    try:
+        __import__(module_name)
+        return getattr(sys.modules[module_name], attribute)
+    except Exception as exc:  # a broken install must not break `import torch`
+        _warn(f"[startup-failed] cannot import autoweave: {exc!r}; torch runs unpatched")
+        return None
 
 
 def register(name: str, hook: "Hook") -> None:
@@ -108,7 +123,9 @@ def register(name: str, hook: "Hook") -> None:
             sys.meta_path.insert(0, _finder)
     module = sys.modules.get(name)
     if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
-        hook(module)
+        function = _resolve(hook) if isinstance(hook, str) else hook
+        if function is not None:
+            function(module)
 
 
 def unregister_all() -> None:
@@ -125,14 +142,10 @@ def registered(name: str) -> bool:
         return bool(_hooks.get(name))
 
 
-def _load(module: "Any") -> None:
-    # Runs when torch (or the checkpoint_wrapper module) finishes importing.
-    try:
-        from autoweave import _bootstrap
-    except Exception as exc:  # a broken install must not break `import torch`
-        _warn(f"[startup-failed] cannot import autoweave: {exc!r}; torch runs unpatched")
-        return
-    _bootstrap.on_import(module)
+# What runs when torch (or the checkpoint_wrapper module) finishes importing.
+ON_IMPORT = "autoweave._bootstrap:on_import"
+# What decides (and explains) an unusual AUTOWEAVE value.
+STARTUP = "autoweave._bootstrap:startup"
 
 
 def _warn(message: str) -> None:
@@ -150,13 +163,13 @@ def main() -> None:
             return
         if value not in ON or os.environ.get("AUTOWEAVE_DISABLE", "").strip():
             # Unusual values: the full settings reader decides and explains.
-            from autoweave._bootstrap import startup
-
-            startup()
+            startup = _resolve(STARTUP)
+            if startup is not None:
+                startup()
             return
         # The checkpoint_wrapper hook first: it must be in place if torch's own
         # import pulls that module in.
-        register(CHECKPOINT_WRAPPER_MODULE, _load)
-        register(TORCH, _load)
+        register(CHECKPOINT_WRAPPER_MODULE, ON_IMPORT)
+        register(TORCH, ON_IMPORT)
     except BaseException as exc:  # noqa: BLE001 - start-up must never break Python
         _warn(f"[startup-failed] {type(exc).__name__}: {exc}; continuing without autoweave")

@@ -5,7 +5,7 @@ from code with :func:`enable`. Importing this package imports only the
 standard library; torch-dependent names load on first use.
 """
 
-from autoweave import _bootstrap
+from autoweave import _bootstrap, _settings
 from autoweave._settings import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from autoweave.planner import Plan
 
-__version__ = "0.1.0"
+from autoweave._version import __version__
 
 __all__ = [
     "boundary",
@@ -39,7 +39,7 @@ def enable() -> bool:
     """
     from autoweave._settings import AUTOWEAVE_DISABLE, Settings
 
-    settings = _bootstrap.settings()
+    settings = _settings.current()
     forced = Settings.from_environ({**_environ(), "AUTOWEAVE": "1"})
     if not forced.enabled:
         import logging
@@ -47,7 +47,7 @@ def enable() -> bool:
         logging.getLogger("autoweave").warning("enable() ignored: %s is set for this run", AUTOWEAVE_DISABLE)
         return False
     if not settings.enabled:
-        _bootstrap.reload_settings(forced)
+        _settings.reload(forced)
     _bootstrap.install()
     return is_enabled()
 
@@ -57,14 +57,14 @@ def disable() -> None:
     from autoweave._settings import Settings
 
     _bootstrap.uninstall()
-    _bootstrap.reload_settings(Settings(enabled=False))
+    _settings.reload(Settings(enabled=False))
 
 
 def is_enabled() -> bool:
     """True when at least one of autoweave's patches is in place (or will be at torch import)."""
     import sys
 
-    if not _bootstrap.settings().enabled:
+    if not _settings.current().enabled:
         return False
     if _bootstrap.off_reason() is not None:
         return False  # a missing dependency or an unsupported torch: said once, staying off
@@ -122,13 +122,8 @@ def plan(
     """The plan autoweave would apply to ``torch.compile(module)`` now, without compiling."""
     from autoweave import planner
 
-    settings = _bootstrap.settings()
-    return planner.plan(
-        module,
-        mode=mode or getattr(module, "_autoweave_mode", None) or settings.mode,
-        strategy=strategy or getattr(module, "_autoweave_strategy", None) or settings.strategy,
-        fullgraph=fullgraph,
-    )
+    mode, strategy = _settings.mode_and_strategy(module, mode, strategy)
+    return planner.plan(module, mode=mode, strategy=strategy, fullgraph=fullgraph)
 
 
 def explain(model_or_factory: "Any", **options: "Any") -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from autoweave import _settings
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m autoweave", description="autoweave commands")
@@ -37,8 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--recipe", metavar="MODULE:FUNCTION", help="apply your own AC / FSDP marking instead"
     )
-    explain.add_argument("--mode", choices=("auto", "always", "off"), default=None)
-    explain.add_argument("--strategy", choices=("auto", "hoist", "push-down", "siblings"), default=None)
+    explain.add_argument("--mode", choices=_settings.MODES, default=None)
+    explain.add_argument("--strategy", choices=_settings.STRATEGIES, default=None)
     explain.add_argument("--fullgraph", action="store_true")
     return parser
 
@@ -49,10 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         from autoweave import doctor
 
         return doctor.main(live=not args.no_live)
-    from autoweave import _bootstrap
     from autoweave import explainer as explain_mod
 
-    settings = _bootstrap.settings()
+    settings = _settings.current()
     try:
         factory = explain_mod.load_object(args.factory)
         recipe = explain_mod.load_object(args.recipe) if args.recipe else None

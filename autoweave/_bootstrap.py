@@ -8,14 +8,13 @@ import _thread
 import sys
 
 from _autoweave_start import CHECKPOINT_WRAPPER_MODULE, TORCH, _warn
-from autoweave import _importhook
+from autoweave import _importhook, _settings
 from autoweave._settings import TYPE_CHECKING, Settings
 
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any
 
 _lock = _thread.RLock()
-_settings: "Settings | None" = None
 _hooks_registered = False
 _problems_reported = False
 # Why autoweave stays off in this process (a missing dependency, an unsupported
@@ -24,21 +23,6 @@ _off_reason: "str | None" = None
 
 # The packages the patches import, with the pip requirement that fixes their absence.
 DEPENDENCIES = (("wrapt", "wrapt>=1.14,!=2.2.0"),)
-
-
-def settings() -> Settings:
-    """The settings of this process, read from the environment on first use."""
-    global _settings
-    if _settings is None:
-        _settings = Settings.from_environ()
-    return _settings
-
-
-def reload_settings(new: "Settings | None" = None) -> Settings:
-    """Re-read the environment (or take ``new``); for tests and ``enable()``."""
-    global _settings
-    _settings = Settings.from_environ() if new is None else new
-    return _settings
 
 
 def _prepare(current: Settings) -> None:
@@ -58,7 +42,7 @@ def _prepare(current: Settings) -> None:
 def startup() -> None:
     """Entry point of the start-up file (unusual AUTOWEAVE values); never raises."""
     try:
-        current = settings()
+        current = _settings.current()
         _prepare(current)
         if current.enabled:
             install()
@@ -70,7 +54,7 @@ def on_import(module: "Any") -> None:
     """Hook registered by the start-up module: torch (or checkpoint_wrapper) was just imported."""
     global _hooks_registered
     _hooks_registered = True
-    current = settings()
+    current = _settings.current()
     _prepare(current)
     if not current.enabled:
         return
@@ -156,11 +140,17 @@ def _on_torch_import(module: "Any") -> None:
     with guard("patching torch", fallback="torch runs unpatched"):
         from autoweave import patches
 
-        patches.apply_torch(settings())
+        patches.apply_torch(_settings.current())
+    with guard("starting the report", fallback="no plan summary or report at exit"):
+        # The plan summary at exit (when no second step logged it) and, with
+        # AUTOWEAVE_REPORT, the report.
+        from autoweave import report
+
+        report.install(_settings.current())
     with guard("applying TORCH_LOGS to the autoweave logger"):  # autoweave/_torchlogs.py
         from autoweave import _torchlogs
 
-        _torchlogs.register(settings())
+        _torchlogs.register(_settings.current())
 
 
 def _on_checkpoint_wrapper_import(module: "Any") -> None:
@@ -171,4 +161,4 @@ def _on_checkpoint_wrapper_import(module: "Any") -> None:
     with guard("patching checkpoint_wrapper", fallback="checkpoint_wrapper runs unpatched"):
         from autoweave import patches
 
-        patches.apply_checkpoint_wrapper(settings(), module)
+        patches.apply_checkpoint_wrapper(_settings.current(), module)

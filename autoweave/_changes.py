@@ -23,8 +23,7 @@ import threading
 from typing import Any
 
 from autoweave._log import logger
-
-generation = 0
+from autoweave._state import run
 
 _lock = threading.Lock()
 _handle: Any = None
@@ -33,8 +32,7 @@ _fsdp_init: tuple[type, Any] | None = None  # (FSDPState, its original init) whi
 
 def bump() -> None:
     """Something a plan depends on may have changed."""
-    global generation
-    generation += 1
+    run.generation += 1
 
 
 def _on_registration(module: Any, name: str, submodule: Any) -> None:

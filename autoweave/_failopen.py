@@ -13,9 +13,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from autoweave import _settings
 from autoweave._log import logger, rank
+from autoweave._state import run
 
-_warned = False
 _lock = threading.Lock()
 
 
@@ -24,18 +25,15 @@ class AutoweaveError(RuntimeError):
 
 
 def _strict() -> bool:
-    from autoweave import _bootstrap
-
-    return _bootstrap.settings().strict
+    return _settings.current().strict
 
 
 def warn_once(message: str) -> None:
     """Write ``message`` to stderr unless a fallback warning was already written."""
-    global _warned
     with _lock:
-        if _warned:
+        if run.warned:
             return
-        _warned = True
+        run.warned = True
     try:
         sys.stderr.write(f"autoweave[rank{rank()}]: {message}\n")
     except Exception:  # a closed stderr must not turn a warning into a crash
@@ -63,15 +61,12 @@ def guard(what: str, *, fallback: str = "running as plain torch would") -> Itera
         )
 
 
-_warned_keys: set[str] = set()
-
-
 def warn_each(key: str, message: str) -> None:
     """Write ``message`` to stderr once per ``key`` (e.g. once per module that fell back)."""
     with _lock:
-        if key in _warned_keys:
+        if key in run.warned_keys:
             return
-        _warned_keys.add(key)
+        run.warned_keys.add(key)
     logger.debug("%s", message)
     try:
         sys.stderr.write(f"autoweave[rank{rank()}]: {message}\n")

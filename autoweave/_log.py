@@ -15,6 +15,10 @@ import sys
 logger = logging.getLogger("autoweave")
 logger.addHandler(logging.NullHandler())
 
+# The name ``TORCH_LOGS`` knows this logger by (see ``_torchlogs``).
+ALIAS = "autoweave"
+TORCH_LOGS = "TORCH_LOGS"
+
 # Between INFO and WARNING: the one plan summary autoweave shows by default (rank 0).
 SUMMARY = 25
 logging.addLevelName(SUMMARY, "SUMMARY")
@@ -133,12 +137,29 @@ def configure_default() -> None:
     """
     if _handler is not None or rank() != 0:
         return
-    from autoweave._torchlogs import requested_level  # TORCH_LOGS names autoweave: torch's switch decides
-
-    if requested_level() is not None:
+    if requested_level() is not None:  # TORCH_LOGS names autoweave: torch's switch decides
         return
     if logger.level == logging.NOTSET or logger.level > SUMMARY:
         if logging.getLogger().handlers:
             logger.setLevel(SUMMARY)
         else:
             _attach(SUMMARY)
+
+
+def requested_level(environ: dict[str, str] | None = None) -> int | None:
+    """The level ``TORCH_LOGS`` asks for the ``autoweave`` logger, or ``None`` when it does not name it.
+
+    Mirrors torch's parser: ``+name`` is DEBUG, ``-name`` ERROR, ``name`` INFO.
+    ``all`` means torch's own loggers, not ours. Standard library only: the
+    plan summary asks this before deciding to show itself.
+    """
+    value = (os.environ if environ is None else environ).get(TORCH_LOGS, "")
+    level = None
+    for item in value.replace(" ", "").strip("'\"").split(","):
+        name = item.lstrip("+-")
+        if name != ALIAS:
+            continue
+        level = (
+            logging.DEBUG if item.startswith("+") else logging.ERROR if item.startswith("-") else logging.INFO
+        )
+    return level

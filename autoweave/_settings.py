@@ -184,3 +184,49 @@ class Settings:
             problems=tuple(problems),
             report=report,
         )
+
+
+# -- the settings of this process ---------------------------------------------------------
+#
+# Owned here, so every layer reads them without importing the start-up code.
+
+_current: "Settings | None" = None
+
+
+def current() -> Settings:
+    """The settings of this process, read from the environment on first use."""
+    global _current
+    if _current is None:
+        _current = Settings.from_environ()
+    return _current
+
+
+def reload(new: "Settings | None" = None) -> Settings:
+    """Re-read the environment (or take ``new``); for tests and ``autoweave.enable()``."""
+    global _current
+    _current = Settings.from_environ() if new is None else new
+    return _current
+
+
+# -- per-module choices -------------------------------------------------------------------
+
+# Where ``autoweave.set_mode`` leaves a module's own mode and strategy.
+MODE_ATTR = "_autoweave_mode"
+STRATEGY_ATTR = "_autoweave_strategy"
+
+
+def check_choice(kind: str, value: str, accepted: "tuple[str, ...]") -> None:
+    """Raise ``ValueError`` naming the accepted values unless ``value`` is one of them."""
+    if value not in accepted:
+        raise ValueError(f"{kind}={value!r} not understood (accepted: {', '.join(accepted)})")
+
+
+def mode_and_strategy(
+    module: object, mode: "str | None" = None, strategy: "str | None" = None
+) -> "tuple[str, str]":
+    """The weave mode and AC strategy for ``module``: the arguments, then ``set_mode``'s, then the settings."""
+    settings = current()
+    return (
+        mode or getattr(module, MODE_ATTR, None) or settings.mode,
+        strategy or getattr(module, STRATEGY_ATTR, None) or settings.strategy,
+    )

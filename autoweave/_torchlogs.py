@@ -16,30 +16,11 @@ from __future__ import annotations
 import logging
 import os
 
-from autoweave._log import logger
+from autoweave._log import ALIAS, TORCH_LOGS, logger, requested_level
 
-ALIAS = "autoweave"
-TORCH_LOGS = "TORCH_LOGS"
+__all__ = ["ALIAS", "TORCH_LOGS", "register", "requested_level"]
+
 TORCH_LOGS_OUT = "TORCH_LOGS_OUT"
-
-
-def requested_level(environ: dict[str, str] | None = None) -> int | None:
-    """The level ``TORCH_LOGS`` asks for the ``autoweave`` logger, or ``None`` when it does not name it.
-
-    Mirrors torch's parser: ``+name`` is DEBUG, ``-name`` ERROR, ``name`` INFO.
-    ``all`` means torch's own loggers, not ours. Standard library only: the
-    plan summary asks this before deciding to show itself.
-    """
-    value = (os.environ if environ is None else environ).get(TORCH_LOGS, "")
-    level = None
-    for item in value.replace(" ", "").strip("'\"").split(","):
-        name = item.lstrip("+-")
-        if name != ALIAS:
-            continue
-        level = (
-            logging.DEBUG if item.startswith("+") else logging.ERROR if item.startswith("-") else logging.INFO
-        )
-    return level
 
 
 def register(settings: object) -> None:

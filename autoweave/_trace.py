@@ -21,16 +21,17 @@ import re
 import threading
 from typing import Any
 
-from autoweave import _where
+from autoweave import _where, plan_log
 from autoweave._log import logger
+from autoweave._state import run
 
 PLAN_ARTIFACT = "autoweave_plan"
 REGION_ARTIFACT = "autoweave_region"
 # Names dynamo gives the functions that resume a frame after a graph break.
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
 
+# What each region's artifact says lives on ``_state.run.trace_regions``.
 _lock = threading.Lock()
-_regions: dict[str, dict[str, Any]] = {}  # region label -> what the region artifact says
 _callback_installed = False
 
 
@@ -43,10 +44,8 @@ def enabled() -> bool:
     )
 
 
-def plan_payload(entry: Any) -> dict[str, Any]:
-    """A recorded plan (``plan_log.Entry``) as the ``autoweave_plan`` artifact shows it."""
-    from autoweave import plan_log
-
+def plan_payload(entry: plan_log.Entry) -> dict[str, Any]:
+    """A recorded plan as the ``autoweave_plan`` artifact shows it."""
     plan = entry.plan
     return {
         "name": entry.shown,
@@ -57,14 +56,18 @@ def plan_payload(entry: Any) -> dict[str, Any]:
         "summary": plan_log.format_plan(plan, name=entry.name, type_name=entry.type_name),
         "decisions": plan_log.decision_records(entry),
         "boundaries": [
-            {"path": plan_log._join(entry.name, path), "kind": kind, "source": _where.source_dict(plan, path)}
+            {
+                "path": plan_log.join_path(entry.name, path),
+                "kind": kind,
+                "source": _where.source_dict(plan, path),
+            }
             for path, kind in plan.boundaries
         ],
     }
 
 
-def emit_plan(entry: Any) -> None:
-    """``plan_log.record_plan``: write the plan, remember its regions for their compiles. Never raises."""
+def emit_plan(entry: plan_log.Entry) -> None:
+    """A ``plan_log`` listener: write the plan, remember its regions for their compiles. Never raises."""
     if not enabled():
         return
     try:
@@ -74,7 +77,7 @@ def emit_plan(entry: Any) -> None:
                 label = decision["region"]
                 if label is None:
                     continue
-                region = _regions.setdefault(label, {"label": label, "modules": [], "decisions": []})
+                region = run.trace_regions.setdefault(label, {"label": label, "modules": [], "decisions": []})
                 if decision["path"] not in region["modules"]:
                     region["modules"].append(decision["path"])
                     region["decisions"].append(decision)
@@ -87,7 +90,7 @@ def emit_plan(entry: Any) -> None:
 def emit_region(label: str, *, code_name: str) -> None:
     """Write what autoweave knows of region ``label``; called while dynamo compiles its code."""
     with _lock:
-        known = _regions.get(label)
+        known = run.trace_regions.get(label)
         payload = dict(known) if known is not None else {"label": label, "modules": [], "decisions": []}
     payload["code"] = code_name
     payload["resume"] = code_name != label
@@ -102,7 +105,7 @@ def region_label(code_name: str) -> str | None:
             break
         code_name = match.group(1)
     with _lock:
-        return code_name if code_name in _regions else None
+        return code_name if code_name in run.trace_regions else None
 
 
 def _on_compile_start(args: Any = None, *_: Any) -> None:
@@ -143,9 +146,3 @@ def _emit(name: str, payload: dict[str, Any]) -> None:
         # Plans are made outside any compile: no stack dump for a missing compile id.
         expect_trace_id=False,
     )
-
-
-def reset() -> None:
-    """Forget known regions (tests)."""
-    with _lock:
-        _regions.clear()

@@ -52,11 +52,8 @@ def _library_dirs() -> tuple[str, ...]:
     # Frames in torch or autoweave are not where the user wrote anything.
     import torch
 
-    import autoweave
-
-    return tuple(
-        os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, autoweave) if m.__file__
-    )
+    package = os.path.dirname(os.path.abspath(__file__))  # autoweave's own directory
+    return tuple(d + os.sep for d in (os.path.dirname(os.path.abspath(torch.__file__)), package))
 
 
 def is_user_file(filename: str) -> bool:

@@ -7,7 +7,7 @@ planner's business. ``classify`` returns a short human reason, or ``None``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch.nn as nn
@@ -122,13 +122,3 @@ def classify(module: nn.Module) -> str | None:
         if verdict:
             return verdict if isinstance(verdict, str) else f"registered boundary ({name})"
     return None
-
-
-def iter_boundaries(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module, str]]:
-    """Every strict descendant of ``module`` that is a boundary, outermost first."""
-    for name, child in module.named_modules(prefix=prefix):
-        if child is module:
-            continue
-        reason = classify(child)
-        if reason:
-            yield name, child, reason

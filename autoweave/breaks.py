@@ -16,6 +16,7 @@ from typing import Any
 import torch.nn as nn
 
 from autoweave import boundaries, capture
+from autoweave._state import run
 
 
 class BreakWatch(logging.Handler):
@@ -90,8 +91,6 @@ def locate(target: nn.Module, stacks: list[tuple[str, list[Any]]]) -> dict[int, 
 # the cached eager fallback. What one block taught applies to every module
 # running the same forward code.
 
-_learned: dict[Any, str] = {}  # forward code object -> why it breaks
-
 
 def learn(target: nn.Module, located: dict[int, str]) -> None:
     """Remember the forward code of each located module (ids from ``locate``) as breaking."""
@@ -100,24 +99,20 @@ def learn(target: nn.Module, located: dict[int, str]) -> None:
         if reason is not None:
             code = _forward_code(module)
             if code is not None:
-                _learned.setdefault(code, reason)
+                run.learned_breaks.setdefault(code, reason)
 
 
 def known(target: nn.Module) -> dict[int, str]:
     """Modules of ``target`` running code already seen breaking (ids -> reason)."""
-    if not _learned:
+    learned = run.learned_breaks
+    if not learned:
         return {}
     found = {}
     for module in target.modules():
         code = _forward_code(module)
-        if code is not None and code in _learned:
-            found[id(module)] = _learned[code]
+        if code is not None and code in learned:
+            found[id(module)] = learned[code]
     return found
-
-
-def forget() -> None:
-    """Drop what was learned (tests)."""
-    _learned.clear()
 
 
 def _forward_code(module: nn.Module) -> Any:

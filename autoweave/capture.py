@@ -1,7 +1,9 @@
-"""Measuring what compiled: graphs, ops captured, graph breaks, eager GEMMs, AC fallbacks.
+"""What dynamo signals while it compiles: graphs and ops captured, AC fallbacks, recompile limits.
 
-Used by the report, the tests and the benchmark, so every number autoweave
-prints is measured one way.
+Used by the runtime (a first call's fallback), the report, the tests and the
+benchmarks, so every number autoweave prints is measured one way. The
+profiler-side measures only the benchmarks need (eager GEMMs, heap in use)
+live with them, in ``benchmarks/measure.py``.
 """
 
 from __future__ import annotations
@@ -12,10 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
-# AOTAutograd runs every compiled graph (aot_eager and inductor alike) inside
-# this autograd function; its profiler range is exactly "inside a graph".
-COMPILED_RANGE = "CompiledFunction"
 FALLBACK_LOGGER = "torch._dynamo.variables.higher_order_ops"
 FALLBACK_NEEDLE = "fall back to eager-mode PyTorch"
 # dynamo's warning when a frame's cache is full and it runs eager from then on.
@@ -65,31 +63,6 @@ class Capture:
             return compile_inner(gm, example_inputs)
 
         return counting
-
-
-def eager_gemms(profile: Any) -> tuple[int, int]:
-    """(GEMMs outside compiled graphs, GEMMs inside) from a ``torch.profiler`` run."""
-    outside = inside = 0
-    for event in profile.events():
-        if event.name not in GEMM_OPS:
-            continue
-        parent = event.cpu_parent
-        nested_gemm = False
-        in_graph = False
-        while parent is not None:
-            if parent.name == COMPILED_RANGE:
-                in_graph = True
-                break
-            if parent.name in GEMM_OPS:
-                nested_gemm = True  # e.g. addmm calling mm: count the outer one only
-            parent = parent.cpu_parent
-        if nested_gemm:
-            continue
-        if in_graph:
-            inside += 1
-        else:
-            outside += 1
-    return outside, inside
 
 
 class _FallbackListener(logging.Handler):
@@ -181,39 +154,3 @@ class FallbackCounter:
 
     def __exit__(self, *exc: Any) -> None:
         self.uninstall()
-
-
-class _MallInfo2(__import__("ctypes").Structure):
-    _fields_ = [
-        (name, __import__("ctypes").c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-def heap_in_use() -> int | None:
-    """Bytes the C heap has handed out now (glibc ``mallinfo2``), or ``None`` where unavailable.
-
-    CPU tensors are allocated from it, so the difference across a forward is the
-    activation memory held for backward: what an AC strategy changes.
-    """
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None)
-        fn = libc.mallinfo2
-    except (OSError, AttributeError):
-        return None
-    fn.restype = _MallInfo2
-    info = fn()
-    return int(info.uordblks + info.hblkhd)

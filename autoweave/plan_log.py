@@ -12,12 +12,14 @@ import logging
 import re
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoweave import _trace, _where, report
+from autoweave import _where
 from autoweave._instances import dispatcher_of
 from autoweave._log import SUMMARY, logger, rank
+from autoweave._state import run
 from autoweave.planner import Action, Plan
 
 _WRAPPER_SEGMENTS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)(?=\.|$)")
@@ -30,6 +32,7 @@ _VERBS = {
     Action.WEAVE: "woven",
     Action.BOUNDARY: "boundary",
     Action.HOIST: "AC eager",
+    Action.SIBLINGS: "AC eager around children",
     Action.PUSH_DOWN: "AC pushed down",
     Action.EAGER: "eager",
 }
@@ -44,7 +47,8 @@ def display_path(path: str) -> str:
     return cleaned or "<root>"
 
 
-def _join(name: str, path: str) -> str:
+def join_path(name: str, path: str) -> str:
+    """A decision's path shown under the compiled module's name (``layers.3.moe.experts``)."""
     shown = display_path(path)
     if shown == "<root>":
         return name or shown
@@ -57,21 +61,15 @@ def _decision_lines(plan: Plan, name: str, indent: str) -> list[str]:
         shown = display_path(decision.path)
         depth = 0 if shown == "<root>" else shown.count(".") + 1
         lines.append(
-            f"{indent}{'  ' * depth}{_join(name, decision.path)} [{decision.module_type}] "
+            f"{indent}{'  ' * depth}{join_path(name, decision.path)} [{decision.module_type}] "
             f"{_VERBS[decision.action]}: {decision.reason}"
         )
     return lines
 
 
-def _head(plan: Plan) -> str:
-    if not plan.woven:
-        return plan.decisions[0].reason
-    return f"woven into {len(plan.regions())} compiled regions (mode={plan.mode}, strategy={plan.strategy})"
-
-
 def format_plan(plan: Plan, *, name: str = "", type_name: str | None = None) -> str:
     """One plan: a head line, then (when woven) one line per decision, indented by depth."""
-    head = f"{name or plan.root_type} ({type_name or plan.root_type}): {_head(plan)}"
+    head = f"{name or plan.root_type} ({type_name or plan.root_type}): {plan.headline()}"
     if not plan.woven:
         return head
     return "\n".join([head, *_decision_lines(plan, name, "  ")])
@@ -133,9 +131,9 @@ def format_summary(entries: list[Entry]) -> str:
         if not first.plan.woven:
             names = fold_names([m.shown for m in members])
             count = f"{len(members)} × " if len(members) > 1 else ""
-            lines.append(f"  {names} ({count}{first.type_name}): {_head(first.plan)}")
+            lines.append(f"  {names} ({count}{first.type_name}): {first.plan.headline()}")
             continue
-        lines.append(f"  {first.shown} ({first.type_name}): {_head(first.plan)}")
+        lines.append(f"  {first.shown} ({first.type_name}): {first.plan.headline()}")
         lines.extend(_decision_lines(first.plan, first.name, "    "))
         if len(members) > 1:
             rest = members[1:]
@@ -203,24 +201,48 @@ def qualified_name(target: Any, dispatcher: Any = None, *, frame: Any = None) ->
 
 # -- the plan summary ---------------------------------------------------------------------
 
+# The plans live on ``_state.run`` (``plans``, ``unsummarised``, and
+# ``summary_pending``, read by the dispatcher on every call: a summary is
+# waiting for the next step).
 _lock = threading.RLock()
-_entries: dict[int, Entry] = {}  # id(dispatcher) -> its latest plan
-_unsummarised: list[int] = []
-# Read by the dispatcher on every call: a summary is waiting for the next step.
-pending = False
+# Told of every recorded plan (the report, the structured trace): see ``subscribe``.
+_listeners: list[Callable[[Entry], None]] = []
 
 
-def record_plan(dispatcher: Any, plan: Plan) -> Entry | None:
-    """Called by the dispatcher after it applied ``plan``; the summary is logged later. Never raises."""
+def subscribe(listener: Callable[[Entry], None]) -> None:
+    """Call ``listener(entry)`` for every plan recorded from now on (idempotent)."""
+    with _lock:
+        if listener not in _listeners:
+            _listeners.append(listener)
+
+
+def unsubscribe(listener: Callable[[Entry], None]) -> None:
+    with _lock:
+        if listener in _listeners:
+            _listeners.remove(listener)
+
+
+def record_plan(dispatcher: Any, plan: Plan, *, plain_label: str | None = None) -> Entry | None:
+    """Called by the dispatcher after it applied ``plan``; the summary is logged later. Never raises.
+
+    ``plain_label`` is the name the report counts the plain compile under.
+    """
     try:
-        return _record(dispatcher, plan, sys._getframe(1))
+        entry = _record(dispatcher, plan, plain_label, sys._getframe(1))
     except Exception:
         logger.debug("could not record the plan of %s", type(dispatcher.target).__name__, exc_info=True)
         return None
+    with _lock:
+        listeners = list(_listeners)
+    for listener in listeners:
+        try:
+            listener(entry)
+        except Exception:
+            logger.debug("a plan listener failed on %s", entry.shown, exc_info=True)
+    return entry
 
 
-def _record(dispatcher: Any, plan: Plan, caller: Any) -> Entry:
-    global pending
+def _record(dispatcher: Any, plan: Plan, plain_label: str | None, caller: Any) -> Entry:
     rank()  # remember the process group's rank while it exists: the summary may come at exit
     target = dispatcher.target
     applied = getattr(dispatcher, "_applied", None)
@@ -229,16 +251,14 @@ def _record(dispatcher: Any, plan: Plan, caller: Any) -> Entry:
         type_name=inner_type(target),
         plan=plan,
         regions=dict(applied.regions) if applied is not None else {},
-        plain_label=report.plain_label(target),
+        plain_label=plain_label,
     )
     with _lock:
         key = id(dispatcher)
-        _entries[key] = entry
-        if key not in _unsummarised:
-            _unsummarised.append(key)
-        pending = True
-    report.on_plan(entry)
-    _trace.emit_plan(entry)  # TORCH_TRACE: the plan as a structured-trace artifact (autoweave/_trace.py)
+        run.plans[key] = entry
+        if key not in run.unsummarised:
+            run.unsummarised.append(key)
+        run.summary_pending = True
     return entry
 
 
@@ -250,41 +270,36 @@ def next_call(dispatcher: Any) -> None:
         logger.debug("could not log the plan summary", exc_info=True)
 
 
+def waiting() -> bool:
+    """Is a summary waiting to be logged (plans recorded since the last)?"""
+    return run.summary_pending
+
+
 def entries() -> list[Entry]:
     with _lock:
-        return list(_entries.values())
+        return list(run.plans.values())
 
 
 def flush() -> None:
     """Log the summary of the plans recorded since the last one (rank 0 only)."""
-    global pending
     with _lock:
-        keys, _unsummarised[:] = list(_unsummarised), []
-        pending = False
-        batch = [_entries[k] for k in keys if k in _entries]
+        keys, run.unsummarised[:] = list(run.unsummarised), []
+        run.summary_pending = False
+        batch = [run.plans[k] for k in keys if k in run.plans]
     if not batch or rank() != 0:
         return
-    from autoweave import _bootstrap, _log
+    from autoweave import _log, _settings
 
     woven = any(e.plan.woven for e in batch)
-    if woven and _bootstrap.settings().log_level is None:
+    if woven and _settings.current().log_level is None:
         _log.configure_default()
     logger.log(SUMMARY if woven else logging.INFO, "%s", format_summary(batch))
-
-
-def reset() -> None:
-    """Forget recorded plans (tests)."""
-    global pending
-    with _lock:
-        _entries.clear()
-        _unsummarised.clear()
-        pending = False
 
 
 def name_of(dispatcher: Any) -> str:
     """How the summary names a compile target: ``layers.3 (Block)``, or its type alone."""
     with _lock:
-        entry = _entries.get(id(dispatcher))
+        entry = run.plans.get(id(dispatcher))
     type_name = inner_type(dispatcher.target)
     return f"{entry.name} ({type_name})" if entry is not None and entry.name else type_name
 
@@ -293,7 +308,7 @@ def decision_records(entry: Entry) -> list[dict[str, Any]]:
     """An entry's decisions as the report and the structured trace write them (JSON-ready)."""
     return [
         {
-            "path": _join(entry.name, d.path),
+            "path": join_path(entry.name, d.path),
             "type": d.module_type,
             "action": d.action.value,
             "reason": d.reason,

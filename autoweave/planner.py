@@ -21,11 +21,9 @@ from typing import Any
 import torch.nn as nn
 
 from autoweave import _compat, _where, boundaries, checkpoints
+from autoweave._settings import MODES, STRATEGIES, check_choice
 
 Classifier = Callable[[nn.Module], "str | None"]
-
-MODES = ("auto", "always", "off")
-STRATEGIES = ("auto", "hoist", "push-down", "siblings")
 
 
 class Action(str, enum.Enum):
@@ -34,7 +32,8 @@ class Action(str, enum.Enum):
     SPLIT = "split"  # compiled as one region that dynamo splits at the boundaries inside
     WEAVE = "weave"  # own forward eager; children planned one by one
     BOUNDARY = "boundary"  # hooks stay eager; the inner forward is planned on its own
-    HOIST = "hoist"  # AC wrapper stays eager around its inner module's plan
+    HOIST = "hoist"  # AC wrapper stays eager around a compile of its inner module (which may split)
+    SIBLINGS = "siblings"  # AC wrapper stays eager around its inner module's children, compiled one by one
     PUSH_DOWN = "push-down"  # AC wrapper stops checkpointing; each region below checkpoints itself
     EAGER = "eager"  # left alone
 
@@ -103,10 +102,13 @@ class Plan:
             self.root_type, False, self.mode, self.strategy, self.fullgraph, (decision,), self.boundaries
         )
 
-    def summary(self) -> str:
+    def headline(self) -> str:
+        """One line: why plain, or how many regions (and under which mode and strategy)."""
         if not self.woven:
-            return f"{self.root_type}: {self.decisions[0].reason}"
-        return f"{self.root_type}: woven into {len(self.regions())} compiled regions"
+            return self.decisions[0].reason
+        return (
+            f"woven into {len(self.regions())} compiled regions (mode={self.mode}, strategy={self.strategy})"
+        )
 
 
 # -- reading the tree ---------------------------------------------------------------------
@@ -412,7 +414,7 @@ class _Planner:
             self.add(
                 path,
                 module,
-                Action.HOIST,
+                Action.SIBLINGS,
                 f"{where}{spec.describe()} stays eager around compiled children",
                 opaque=opaque,
                 ac=spec,
@@ -526,10 +528,8 @@ def _plan(
     breaks: dict[int, str] | None,
     call_traced: bool,
 ) -> Plan:
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} not understood (accepted: {', '.join(MODES)})")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} not understood (accepted: {', '.join(STRATEGIES)})")
+    check_choice("mode", mode, MODES)
+    check_choice("strategy", strategy, STRATEGIES)
     tree = _Tree(classify or boundaries.classify, breaks)
     target = unwrap(module)
     found = tuple(

@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoweave import _where, capture, plan_log
+from autoweave import _trace, _where, capture, plan_log
 from autoweave._log import logger, rank, world_size
 
 # -- the report: counting what compiled ---------------------------------------------------
@@ -180,7 +180,7 @@ class _Stats:
         for path, label in labels.items():
             region = self.regions.get(label)
             if region is not None:
-                shown = plan_log._join(entry.shown, path)
+                shown = plan_log.join_path(entry.shown, path)
                 if shown not in region.modules:
                     region.modules.append(shown)
 
@@ -198,7 +198,7 @@ class _Stats:
     def snapshot(self) -> dict[str, Any]:
         import torch
 
-        from autoweave import __version__, _bootstrap
+        from autoweave import _settings, _version
 
         try:
             from torch._dynamo.utils import counters
@@ -228,19 +228,19 @@ class _Stats:
                     "woven": entry.plan.woven,
                     "mode": entry.plan.mode,
                     "strategy": entry.plan.strategy,
-                    "summary": plan_log._head(entry.plan),
+                    "summary": entry.plan.headline(),
                     "decisions": plan_log.decision_records(entry),
                     "region": None if entry.plan.woven else entry.plain_label,
                 }
             )
         return {
-            "autoweave": __version__,
+            "autoweave": _version.__version__,
             "torch": torch.__version__,
             "python": sys.version.split()[0],
             "rank": rank(),
             "world_size": world_size(),
             "wall_s": round(time.time() - self.started, 3),
-            "settings": _bootstrap.settings().as_dict(),
+            "settings": _settings.current().as_dict(),
             "plans": plans,
             "regions": regions,
             "totals": {
@@ -289,18 +289,13 @@ def on_woven_around(fallbacks: int) -> None:
             _stats.woven_around += fallbacks
 
 
-def on_plan(entry: Any) -> None:
-    """A plan was recorded (see ``plan_log``): name its regions in the report."""
+def on_plan(entry: plan_log.Entry) -> None:
+    """A ``plan_log`` listener: name the regions of a recorded plan in the report."""
     if _stats is not None:
         _stats.name_regions(entry)
 
 
 _plain_count = 0
-
-
-def active() -> bool:
-    """Is a report being collected in this process?"""
-    return _stats is not None
 
 
 def start(path: str | None = None) -> None:
@@ -324,10 +319,6 @@ def stop() -> dict[str, Any] | None:
     data = stats.snapshot()
     stats.uninstall()
     return data
-
-
-def snapshot() -> dict[str, Any] | None:
-    return _stats.snapshot() if _stats is not None else None
 
 
 def instrument(kwargs: dict[str, Any], label: str, kind: str = "woven") -> dict[str, Any]:
@@ -492,7 +483,7 @@ def _write_and_summarise(stats: _Stats) -> None:
 
 def at_exit() -> None:
     """Log any pending plan summary; write the report and print its summary (rank 0). Never raises."""
-    if plan_log.pending:
+    if plan_log.waiting():
         _quietly("log the plan summary", plan_log.flush)
     stats = _stats
     if stats is None or stats.path is None:
@@ -504,8 +495,10 @@ _registered = False
 
 
 def install(settings: Any) -> None:
-    """Called once when the patches load: exit hook, and the report when asked for."""
+    """Called when the patches load: plan listeners, the exit hook, and the report when asked for."""
     global _registered
+    plan_log.subscribe(on_plan)
+    plan_log.subscribe(_trace.emit_plan)  # TORCH_TRACE: each plan as a structured-trace artifact
     if settings.report:
         start(settings.report)
     if not _registered:

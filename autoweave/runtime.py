@@ -20,10 +20,10 @@ from typing import Any
 import torch.nn as nn
 
 from autoweave import (
-    _bootstrap,
     _changes,
     _compat,
     _instances,
+    _settings,
     breaks,
     capture,
     plan_log,
@@ -33,10 +33,9 @@ from autoweave import (
 )
 from autoweave._failopen import AutoweaveError, _strict, guard, warn_each
 from autoweave._log import logger
+from autoweave._state import run as _run
 
 _off: contextvars.ContextVar[bool] = contextvars.ContextVar("autoweave_off", default=False)
-MODE_ATTR = "_autoweave_mode"
-STRATEGY_ATTR = "_autoweave_strategy"
 
 
 @contextmanager
@@ -49,10 +48,11 @@ def disabled() -> Iterator[None]:
         _off.reset(token)
 
 
-def _original(name: str) -> Any:
-    from autoweave import patches
+def _compile_function(*args: Any, **kwargs: Any) -> Any:
+    """torch.compile for a function: autoweave's wrapper, if on, passes functions straight through."""
+    import torch
 
-    return patches.original(name)
+    return torch.compile(*args, **kwargs)
 
 
 # -- routing ------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def route_module_compile(wrapped: Callable[..., Any], instance: Any, args: tuple
     compile_kwargs = _compile_kwargs(args, kwargs)
     # What nn.Module.compile does, done now and outside any guard: torch's
     # errors (a bad backend, conflicting options) raise at .compile(), as without us.
-    plain = _original("compile")(instance._call_impl, **report.plain_kwargs(instance, compile_kwargs))
+    plain = _compile_function(instance._call_impl, **report.plain_kwargs(instance, compile_kwargs))
     with guard(f"preparing the weave for {type(instance).__name__}") as failed:
         _Dispatcher.attach_in_place(instance, compile_kwargs, plain)
     if failed:
@@ -168,14 +168,11 @@ def _fingerprint(target: nn.Module) -> tuple:
     return tuple((name, type(m), getattr(m, MARK, None)) for name, m in target.named_modules())
 
 
-_live: weakref.WeakSet[_Dispatcher] = weakref.WeakSet()
-
-
 class _Dispatcher:
     """Stands in for a compiled forward until the first call, then runs the plan.
 
     The per-call cost does not grow with the model: the module tree is re-read
-    only when ``_changes.generation`` moved since the last look (a submodule was
+    only when ``_state.run.generation`` moved since the last look (a submodule was
     registered, ``fully_shard`` ran, a mark changed), so a call is an integer
     comparison and the call of what the plan installed.
     """
@@ -193,7 +190,7 @@ class _Dispatcher:
         self._plain: Callable[..., Any] | None = None
         self._eager = eager
         self._lock = threading.RLock()
-        self._generation = -1  # _changes.generation when the tree was last read
+        self._generation = -1  # _state.run.generation when the tree was last read
         self._fingerprint: tuple | None = None
         self._applied: weave.Applied | None = None
         self._trial = False  # the woven regions have not run yet: their compile may still fail
@@ -207,7 +204,7 @@ class _Dispatcher:
         self._call_traced = True  # torch.compile(module) traces __call__; in-place compile does not
         # What a first-call fallback taught (modules that break, planning options): kept for re-plans.
         self._learned: dict[str, Any] = {}
-        _live.add(self)
+        _run.live.add(self)
 
     # How the dispatcher is put in place -------------------------------------------------
 
@@ -243,12 +240,12 @@ class _Dispatcher:
 
     def ensure_decided(self) -> bool:
         """Plan (or re-plan, when the module tree changed) before running; True if it planned now."""
-        if self._generation == _changes.generation and self._pending is None:
+        if self._generation == _run.generation and self._pending is None:
             return False
         with self._lock:
             if self._pending is not None:
                 self._apply_pending()
-            generation = _changes.generation
+            generation = _run.generation
             if generation == self._generation:
                 return False
             fingerprint = _fingerprint(self.target)
@@ -259,7 +256,7 @@ class _Dispatcher:
             return True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.ensure_decided() and self._called and plan_log.pending:
+        if not self.ensure_decided() and self._called and _run.summary_pending:
             plan_log.next_call(self)  # called again: every block has planned; log the one summary
         self._called = True
         if self._applied is not None:
@@ -278,8 +275,12 @@ class _Dispatcher:
             watching, self._watch_first_call = self._watch_first_call, False
         if not watching:
             return plain(*args, **kwargs)
+        return self._watched(plain, args, kwargs)
+
+    def _watched(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run a first call listening for dynamo's AC fallback; on one, re-plan around the break."""
         with capture.FallbackCounter() as watch, breaks.BreakWatch() as where:
-            out = plain(*args, **kwargs)
+            out = call(*args, **kwargs)
         if watch.count:
             self._on_hidden_fallback(where.stacks)
             report.on_woven_around(watch.count)
@@ -293,11 +294,7 @@ class _Dispatcher:
         the same block); dynamo's fallback message then re-plans around it too.
         """
         try:
-            with capture.FallbackCounter() as watch, breaks.BreakWatch() as where:
-                out = self._eager(*args, **kwargs)
-            if watch.count:
-                self._on_hidden_fallback(where.stacks)
-                report.on_woven_around(watch.count)
+            out = self._watched(self._eager, args, kwargs)
         except Exception as exc:
             name = plan_log.name_of(self)
             if _strict():
@@ -325,7 +322,7 @@ class _Dispatcher:
                     self.plan = plan.plain_instead(
                         f"woven regions failed at their first call ({why}): compiled as plain torch.compile would"
                     )
-                    plan_log.record_plan(self, self.plan)
+                    plan_log.record_plan(self, self.plan, plain_label=report.plain_label(self.target))
             warn_each(
                 f"first-call:{id(self)}",
                 f"[weave-failed] the compiled regions of {name} failed at their "
@@ -345,27 +342,14 @@ class _Dispatcher:
 
     def _mode_and_strategy(self) -> tuple[str, str]:
         """The weave mode and AC strategy for this target: ``set_mode`` first, then the settings."""
-        settings = _bootstrap.settings()
-        mode = getattr(self.target, MODE_ATTR, None) or settings.mode
-        return mode, getattr(self.target, STRATEGY_ATTR, None) or settings.strategy
+        return _settings.mode_and_strategy(self.target)
 
     def _decide(self, fingerprint: tuple) -> None:
         self.release()
         self.fell_back = False
         mode, strategy = self._mode_and_strategy()
         with guard(f"planning {type(self.target).__name__}") as failed:
-            outer = self.outer() if self.outer is not None else None
-            options: dict[str, Any] = {"mode": mode, "strategy": strategy, **self._learned}
-            # What this process learned since (other blocks' breaks) joins what this one learned.
-            options["breaks"] = {**breaks.known(self.target), **self._learned.get("breaks", {})}
-            plan = planner.plan(
-                self.target,
-                fullgraph=bool(self.compile_kwargs.get("fullgraph")),
-                outer_ac=planner.checkpoint_spec(outer) if outer is not None else None,
-                call_traced=self._call_traced,
-                **options,
-            )
-            self._apply(plan)
+            self._apply(self._plan(**{"mode": mode, "strategy": strategy, **self._learned}))
         if failed:
             self.plan = None
             self._applied = None
@@ -384,17 +368,38 @@ class _Dispatcher:
         )
         self._fingerprint = fingerprint
 
+    def _plan(self, **options: Any) -> planner.Plan:
+        """The planner's answer for this target now: one call, whatever asks (first call or re-plan).
+
+        ``options`` are the mode and strategy, and what a fallback taught
+        (``breaks``, a forced mode/strategy); what this process learned since
+        (other blocks' breaks) joins this block's own.
+        """
+        outer = self.outer() if self.outer is not None else None
+        options["breaks"] = {**breaks.known(self.target), **options.get("breaks", {})}
+        return planner.plan(
+            self.target,
+            fullgraph=bool(self.compile_kwargs.get("fullgraph")),
+            outer_ac=planner.checkpoint_spec(outer) if outer is not None else None,
+            call_traced=self._call_traced,
+            **options,
+        )
+
     def _apply(self, plan: planner.Plan) -> None:
         self.plan = plan
         if plan.woven:
             _install_recompile_filter()
             self._applied = weave.apply_plan(
-                planner.unwrap(self.target), plan, _original("compile"), self.compile_kwargs
+                planner.unwrap(self.target),
+                plan,
+                _compile_function,
+                self.compile_kwargs,
+                instrument=report.instrument,
             )
             self._trial = True
         self.skip_outer_checkpoint = plan.outer_push_down is not None and self._applied is not None
-        logger.debug("%s", plan.summary())
-        plan_log.record_plan(self, plan)
+        logger.debug("%s: %s", plan.root_type, plan.headline())
+        plan_log.record_plan(self, plan, plain_label=report.plain_label(self.target))
 
     def _on_hidden_fallback(self, stacks: list[tuple[str, list[Any]]]) -> None:
         with self._lock, guard(f"re-planning {type(self.target).__name__}"):
@@ -408,16 +413,14 @@ class _Dispatcher:
                     id(target._checkpoint_wrapped_module): "a graph break inside (dynamo gave no location)"
                 }
             mode, strategy = self._mode_and_strategy()
-            fullgraph = bool(self.compile_kwargs.get("fullgraph"))
             breaks.learn(target, located)
-            located = {**breaks.known(target), **self._learned.get("breaks", {}), **located}
-            learned: dict[str, Any] = {"breaks": located}
-            plan = planner.plan(target, mode=mode, strategy=strategy, fullgraph=fullgraph, breaks=located)
+            learned: dict[str, Any] = {"breaks": {**self._learned.get("breaks", {}), **located}}
+            plan = self._plan(mode=mode, strategy=strategy, **learned)
             if not plan.woven:
                 # The checkpoint is in code autoweave could not read (the target's
                 # own forward): weave its children one by one, around that code.
                 learned.update(mode="always", strategy="siblings")
-                plan = planner.plan(target, fullgraph=fullgraph, **learned)
+                plan = self._plan(**learned)
             self._learned = learned
             logger.info(
                 "%s: dynamo ran a checkpointed region eager at the first call (%s); woven from the next call on",
@@ -429,7 +432,7 @@ class _Dispatcher:
             self._pending = plan
         # Blocks running the same code met the same break, silently (the
         # fallback is cached for the wrapper's code): each re-plans at its next call.
-        for other in list(_live):
+        for other in list(_run.live):
             if other is not self:
                 other._fingerprint = None
         _changes.bump()
@@ -487,23 +490,19 @@ def dispatcher_of(module: nn.Module) -> _Dispatcher | None:
 
 def set_mode(module: nn.Module, mode: str | None = None, *, strategy: str | None = None) -> nn.Module:
     """Per-module override of ``AUTOWEAVE_MODE`` / ``AUTOWEAVE_STRATEGY``; returns the module."""
-    if mode is not None and mode not in planner.MODES:
-        raise ValueError(f"mode={mode!r} not understood (accepted: {', '.join(planner.MODES)})")
-    if strategy is not None and strategy not in planner.STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} not understood (accepted: {', '.join(planner.STRATEGIES)})")
+    if mode is not None:
+        _settings.check_choice("mode", mode, _settings.MODES)
+    if strategy is not None:
+        _settings.check_choice("strategy", strategy, _settings.STRATEGIES)
     target = planner.unwrap(module)
     for obj in {id(module): module, id(target): target}.values():
         if mode is not None:
-            object.__setattr__(obj, MODE_ATTR, mode)
+            object.__setattr__(obj, _settings.MODE_ATTR, mode)
         if strategy is not None:
-            object.__setattr__(obj, STRATEGY_ATTR, strategy)
+            object.__setattr__(obj, _settings.STRATEGY_ATTR, strategy)
     _changes.bump()
     return module
 
-
-# The plan summary at exit (when no second step logged it) and, with
-# AUTOWEAVE_REPORT, the report: this module loads when the patches do.
-report.install(_bootstrap.settings())
 
 __all__ = [
     "disabled",

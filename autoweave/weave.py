@@ -15,35 +15,40 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _compat, report
+from autoweave import _compat
 from autoweave._codegen import on_own_code
 from autoweave._instances import install_forward, restore_forward
+from autoweave._state import run
 from autoweave.boundaries import own_forward, user_forward
-from autoweave.planner import Action, CheckpointSpec, Plan
+from autoweave.planner import Action, Plan
 
 _labels = itertools.count()
 
+# Given the compile kwargs and a region's label, the kwargs to compile it with
+# (the report's counting backend, say); weaving itself reports nothing.
+Instrument = Callable[[dict[str, Any], str], dict[str, Any]]
 
-def _fresh_code(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
-    """``fn`` on a code object of its own named ``label``.
 
-    Dynamo keeps its cache (and its recompile limit, 8) per code object. Compiling
-    every region through one shared function (``Module._call_impl``, a class's
-    ``forward``) puts unrelated modules in one cache: same-class siblings with
-    different shapes recompile until the limit and then silently run eager. A
-    code object per *kind* of region (see ``_region_key``) keeps unrelated
-    modules apart while identical blocks still share one graph. It also gives
-    dynamo a frame outside ``torch.nn`` to start from: in-place compile of a
-    built-in leaf such as ``nn.Linear`` otherwise captures nothing.
+def _as_asked(kwargs: dict[str, Any], label: str) -> dict[str, Any]:
+    return kwargs
 
-    For regions that split, the class ``forward`` itself is copied: a graph
-    break inside a function that a trampoline merely calls makes dynamo break at
-    the trampoline's call and trace ``forward``'s own (shared) code as a new
-    frame, under whichever compile reached it first. A copy keeps the split
-    region, and the resume functions dynamo makes at each break, on this
-    region's own cache.
-    """
-    return on_own_code(fn, label)
+
+# Every region runs on a code object of its own (``_codegen.on_own_code``):
+# Dynamo keeps its cache (and its recompile limit, 8) per code object. Compiling
+# every region through one shared function (``Module._call_impl``, a class's
+# ``forward``) puts unrelated modules in one cache: same-class siblings with
+# different shapes recompile until the limit and then silently run eager. A
+# code object per *kind* of region (see ``_region_key``) keeps unrelated
+# modules apart while identical blocks still share one graph. It also gives
+# dynamo a frame outside ``torch.nn`` to start from: in-place compile of a
+# built-in leaf such as ``nn.Linear`` otherwise captures nothing.
+#
+# For regions that split, the class ``forward`` itself is copied: a graph
+# break inside a function that a trampoline merely calls makes dynamo break at
+# the trampoline's call and trace ``forward``'s own (shared) code as a new
+# frame, under whichever compile reached it first. A copy keeps the split
+# region, and the resume functions dynamo makes at each break, on this
+# region's own cache.
 
 
 def _shared_region(forward: Callable[..., Any], checkpoint_fn: Any, label: str) -> Callable[..., Any]:
@@ -64,18 +69,26 @@ def _shared_region(forward: Callable[..., Any], checkpoint_fn: Any, label: str) 
             def body(*a: Any, **k: Any) -> Any:
                 return forward(module, *a, **k)
 
+            # Called from the region's own frame: a break inside the checkpoint
+            # then costs one fallback, not a second one at an inlined caller.
             return checkpoint_fn(body, *args, **kwargs)
 
-    return _fresh_code(region, label)
+    return on_own_code(region, label)
 
 
-def _private_region(call: Callable[..., Any], label: str) -> Callable[..., Any]:
-    """A region for a module with an instance-level forward: nothing to share."""
+def _private_region(call: Callable[..., Any], checkpoint_fn: Any, label: str) -> Callable[..., Any]:
+    """A region for a module with an instance-level forward (under AC if asked): nothing to share."""
+    if checkpoint_fn is None:
 
-    def region(*args: Any, **kwargs: Any) -> Any:
-        return call(*args, **kwargs)
+        def region(*args: Any, **kwargs: Any) -> Any:
+            return call(*args, **kwargs)
 
-    return _fresh_code(region, label)
+    else:
+
+        def region(*args: Any, **kwargs: Any) -> Any:
+            return checkpoint_fn(call, *args, **kwargs)
+
+    return on_own_code(region, label)
 
 
 def _identity(value: Any) -> Any:
@@ -130,15 +143,6 @@ class Applied:
         self.regions.clear()
 
 
-def _with_checkpoint(forward: Callable[..., Any], spec: CheckpointSpec) -> Callable[..., Any]:
-    checkpoint_fn = spec.checkpoint_fn
-
-    def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint_fn(forward, *args, **kwargs)
-
-    return checkpointed
-
-
 def _without_checkpoint(wrapper: nn.Module) -> Callable[..., Any]:
     inner = wrapper._checkpoint_wrapped_module
 
@@ -146,9 +150,6 @@ def _without_checkpoint(wrapper: nn.Module) -> Callable[..., Any]:
         return inner(*args, **kwargs)
 
     return forward
-
-
-_shared: dict[tuple, tuple[Callable[..., Any], str]] = {}
 
 
 def _user_code(forward: Any) -> bool:
@@ -165,26 +166,30 @@ def _user_code(forward: Any) -> bool:
 
 
 def _region_forward(
-    module: nn.Module, decision: Any, compile_fn: Callable[..., Any], kwargs: dict[str, Any]
+    module: nn.Module,
+    decision: Any,
+    compile_fn: Callable[..., Any],
+    kwargs: dict[str, Any],
+    instrument: Instrument,
 ) -> tuple[Callable[..., Any], str]:
     """The compiled forward to install on ``module``, and its region label."""
+    checkpoint_fn = None if decision.checkpoint is None else decision.checkpoint.checkpoint_fn
     own = own_forward(module)
     if own is not None:
-        call = own if decision.checkpoint is None else _with_checkpoint(own, decision.checkpoint)
         label = _label(decision.path, module)
-        return compile_fn(_private_region(call, label), **report.instrument(kwargs, label)), label
+        return compile_fn(_private_region(own, checkpoint_fn, label), **instrument(kwargs, label)), label
     key = _region_key(module, decision, kwargs)
+    _shared = run.shared_regions
     if key not in _shared:
         label = _label(decision.path, module)
-        checkpoint_fn = None if decision.checkpoint is None else decision.checkpoint.checkpoint_fn
         _shared[key] = (
             compile_fn(
-                _fresh_code(type(module).forward, label)
+                on_own_code(type(module).forward, label)
                 if decision.action is Action.SPLIT
                 and checkpoint_fn is None
                 and _user_code(type(module).forward)
                 else _shared_region(type(module).forward, checkpoint_fn, label),
-                **report.instrument(kwargs, label),
+                **instrument(kwargs, label),
             ),
             label,
         )
@@ -197,8 +202,14 @@ def apply_plan(
     plan: Plan,
     compile_fn: Callable[..., Any],
     compile_kwargs: dict[str, Any],
+    *,
+    instrument: Instrument = _as_asked,
 ) -> Applied:
-    """Install the plan's regions under ``root`` (the unwrapped compile target)."""
+    """Install the plan's regions under ``root`` (the unwrapped compile target).
+
+    ``compile_fn`` compiles a function (``torch.compile``); ``instrument`` may
+    rewrite each region's compile kwargs (the report counts through it).
+    """
     applied = Applied()
     try:
         for decision in plan.decisions:
@@ -209,12 +220,13 @@ def apply_plan(
             if decision.region:
                 kwargs = dict(compile_kwargs)
                 kwargs["fullgraph"] = bool(kwargs.get("fullgraph")) and decision.action is not Action.SPLIT
-                forward, label = _region_forward(module, decision, compile_fn, kwargs)
+                forward, label = _region_forward(module, decision, compile_fn, kwargs, instrument)
                 applied.regions[decision.path] = label
             elif decision.action is Action.PUSH_DOWN:
                 forward = _without_checkpoint(module)
             elif decision.action is Action.EAGER and decision.checkpoint is not None:
-                forward = _with_checkpoint(user_forward(module), decision.checkpoint)
+                # Eager, under the user's checkpoint (the AC its wrapper applied, moved here).
+                forward = functools.partial(decision.checkpoint.checkpoint_fn, user_forward(module))
             if decision.opaque:
                 # Keep this checkpointed module out of the enclosing region's
                 # trace: dynamo breaks the graph here instead of giving up on

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from measure import eager_gemms  # benchmarks/measure.py, beside this script
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import autoweave
@@ -136,12 +137,18 @@ def _compile(model: nn.Module, how: str, backend: Any) -> nn.Module:
 
 def _run(build: Any, how: str, ac: str, on: bool, backend: str, steps: int) -> dict[str, Any]:
     torch._dynamo.reset()
-    try:  # each row on its own: forget breaks an earlier row taught (autoweave builds that learn)
-        from autoweave import breaks
+    # Each row on its own: forget breaks an earlier row taught (in autoweave builds that learn).
+    try:
+        from autoweave import _state
 
-        breaks.forget()
-    except ImportError:
-        pass
+        _state.reset()
+    except ImportError:  # an older build, measured from its checkout
+        try:
+            from autoweave import breaks
+
+            breaks.forget()
+        except (ImportError, AttributeError):
+            pass
     torch.manual_seed(0)
     eager = build(ac)
     model = copy.deepcopy(eager)
@@ -160,7 +167,7 @@ def _run(build: Any, how: str, ac: str, on: bool, backend: str, steps: int) -> d
             if step == steps - 1:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                     out = model(x)
-                gemms = capture.eager_gemms(prof)[0]
+                gemms = eager_gemms(prof)[0]
             else:
                 out = model(x)
             out.square().mean().backward()

@@ -34,6 +34,9 @@ from torch.distributed.fsdp import fully_shard
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from measure import eager_gemms as count_eager_gemms  # noqa: E402 - benchmarks/measure.py
+from measure import heap_in_use  # noqa: E402
+
 import autoweave  # noqa: E402
 from autoweave import capture  # noqa: E402
 
@@ -258,16 +261,16 @@ def run_variant(
     timing_steps: int,
     strategy: str | None = None,
 ) -> dict[str, Any]:
-    from autoweave import _bootstrap
+    from autoweave import _settings
     from autoweave._settings import Settings
 
-    saved_settings = _bootstrap.settings()
+    saved_settings = _settings.current()
     if strategy:
-        _bootstrap.reload_settings(Settings(enabled=True, strategy=strategy))
+        _settings.reload(Settings(enabled=True, strategy=strategy))
     try:
         record = _run_variant(order, weave_on, ac, steps, args, inner_backend, timing_steps)
     finally:
-        _bootstrap.reload_settings(saved_settings)
+        _settings.reload(saved_settings)
     record["strategy"] = strategy or "auto"
     return record
 
@@ -299,12 +302,12 @@ def _run_variant(order: str, weave_on: bool, ac: str, steps: int, args: Any, inn
             if step == steps - 1:  # after every compile (fake-tensor tracing shows in the profiler)
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                     logits = model(inputs[shard])
-                eager_gemms, inside_gemms = capture.eager_gemms(prof)
+                eager_gemms, inside_gemms = count_eager_gemms(prof)
             elif step == max(steps - 2, 0):
                 # Activation memory held for backward: what an AC strategy changes.
-                before = capture.heap_in_use()
+                before = heap_in_use()
                 logits = model(inputs[shard])
-                after = capture.heap_in_use()
+                after = heap_in_use()
                 if before is not None and after is not None:
                     held_mb = (after - before) / 2**20
             else:

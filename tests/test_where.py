@@ -9,7 +9,7 @@ import torch
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import _where, plan_log, planner, report
+from autoweave import _state, _where, planner, report
 from tests import models
 
 
@@ -79,7 +79,7 @@ def test_report_names_where_dynamo_broke_and_where_ac_fell_back(plain_torch: Non
         # to eager; dynamo's break is at the user's call of the boundary.
         model = torch.compile(cw.checkpoint_wrapper(models.Block()), backend="eager")
         model(torch.randn(4, 8)).sum().backward()
-        data = report.snapshot()
+        data = report.stop()
     finally:
         report.stop()
     assert data["ac_fallbacks"]["count"] >= 1
@@ -98,11 +98,11 @@ def test_report_decisions_carry_the_boundary_source() -> None:
     try:
         model = torch.compile(cw.checkpoint_wrapper(models.Block()), backend="eager")
         model(torch.randn(4, 8)).sum().backward()
-        data = report.snapshot()
+        data = report.stop()
     finally:
         report.stop()
         autoweave.disable()
         torch._dynamo.reset()
-        plan_log.reset()  # no summary of this plan at the test run's exit
+        _state.reset()  # no summary of this plan at the test run's exit
     decisions = [d for p in data["plans"] for d in p["decisions"] if d["action"] == "boundary"]
     assert {"call": CALL, "forward": FORWARD} in [d["source"] for d in decisions]

@@ -15,8 +15,9 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import autoweave
-from autoweave import breaks, capture, checkpoints, planner, runtime
+from autoweave import _state, capture, checkpoints, planner, runtime
 from autoweave.planner import Action
+from benchmarks.measure import eager_gemms
 from tests import break_models as bm
 from tests.models import make_break
 
@@ -26,11 +27,11 @@ BACKEND = "aot_eager"
 @pytest.fixture(autouse=True)
 def weave_on():
     torch._dynamo.reset()
-    breaks.forget()
+    _state.reset()
     assert autoweave.enable()
     yield
     autoweave.disable()
-    breaks.forget()
+    _state.reset()
     torch._dynamo.reset()
 
 
@@ -60,7 +61,7 @@ def _train(model: nn.Module, x: torch.Tensor, steps: int = 3) -> dict:
 def _eager_gemms(model: nn.Module, x: torch.Tensor) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         model(x)
-    return capture.eager_gemms(prof)[0]
+    return eager_gemms(prof)[0]
 
 
 def _assert_numerics(got: dict, ref: dict) -> None:
@@ -229,9 +230,9 @@ def test_whole_model_compile_is_woven_from_the_first_step(how, ac):
 
 
 def test_report_tells_a_one_time_first_call_fallback_from_a_lasting_one():
-    from autoweave import plan_log, report
+    from autoweave import report
 
-    plan_log.reset()
+    _state.reset()
     report.start(None)
     try:
         torch.manual_seed(0)
@@ -239,7 +240,7 @@ def test_report_tells_a_one_time_first_call_fallback_from_a_lasting_one():
         # blocks were compiled before this report started, and would not be counted.
         model = torch.compile(_ac(bm.BreakBlock(dim=12), "full"), backend=BACKEND)
         got = _train(model, torch.randn(6, 12))
-        data = report.snapshot()
+        data = report.stop()
     finally:
         report.stop()
     assert got["fallbacks"] == [1, 0, 0]

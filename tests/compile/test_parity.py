@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import _changes, capture, runtime, weave
+from autoweave import _state, capture, runtime, weave
 from autoweave._failopen import AutoweaveError
 from tests.models import Block
 
@@ -194,9 +194,9 @@ def test_bad_backend_raises_at_compile_time_with_torchs_error(how):
 
 @pytest.mark.parametrize("how", ["wrap", "inplace"])
 def test_disable_true_is_passed_through_quietly_even_in_strict_mode(how, capfd, monkeypatch):
-    from autoweave import _bootstrap
+    from autoweave import _settings
 
-    monkeypatch.setattr(_bootstrap, "_settings", _strict_settings())
+    monkeypatch.setattr(_settings, "_current", _strict_settings())
     x = torch.randn(4, 8)
     block = cw.checkpoint_wrapper(MarkedBlock())
     if how == "wrap":
@@ -223,8 +223,8 @@ def _failing_region_forward(monkeypatch):
     real = weave._region_forward
     calls = []
 
-    def broken(module, decision, compile_fn, kwargs):
-        forward, label = real(module, decision, compile_fn, kwargs)
+    def broken(module, decision, compile_fn, kwargs, instrument):
+        forward, label = real(module, decision, compile_fn, kwargs, instrument)
 
         def fails(*args, **kw):
             calls.append(label)
@@ -259,9 +259,9 @@ def test_a_region_failing_at_its_first_call_falls_back_to_plain_torch(monkeypatc
 
 def test_a_region_failing_in_strict_mode_raises(monkeypatch):
     _failing_region_forward(monkeypatch)
-    from autoweave import _bootstrap
+    from autoweave import _settings
 
-    monkeypatch.setattr(_bootstrap, "_settings", _strict_settings())
+    monkeypatch.setattr(_settings, "_current", _strict_settings())
     model = torch.compile(cw.checkpoint_wrapper(MarkedBlock()), backend="aot_eager")
     with pytest.raises(AutoweaveError) as info:
         model(torch.randn(4, 8))
@@ -328,9 +328,9 @@ def test_fully_shard_after_the_first_forward_replans(monkeypatch):
         x = torch.randn(4, 8)
         model(x)
         assert not runtime.dispatcher_of(model).plan.boundaries
-        before = _changes.generation
+        before = _state.run.generation
         fully_shard(block.ffn.experts, mesh=init_device_mesh("cpu", (2,)))
-        assert _changes.generation > before
+        assert _state.run.generation > before
         model(x)
         plan = runtime.dispatcher_of(model).plan
         assert plan.woven

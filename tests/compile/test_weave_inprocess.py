@@ -205,9 +205,9 @@ def test_recompile_limit_listener_hears_plain_torch_hit():
 
 
 def test_failure_inside_planning_falls_back_with_one_warning(monkeypatch, capsys):
-    from autoweave import _failopen, planner
+    from autoweave import _state, planner
 
-    monkeypatch.setattr(_failopen, "_warned", False)
+    monkeypatch.setattr(_state.run, "warned", False)
 
     def boom(*a, **k):
         raise RuntimeError("planner exploded")
@@ -222,11 +222,11 @@ def test_failure_inside_planning_falls_back_with_one_warning(monkeypatch, capsys
 
 
 def test_strict_mode_raises(monkeypatch):
-    from autoweave import _bootstrap, planner
+    from autoweave import _settings, planner
     from autoweave._failopen import AutoweaveError
     from autoweave._settings import Settings
 
-    monkeypatch.setattr(_bootstrap, "_settings", Settings(enabled=True, strict=True))
+    monkeypatch.setattr(_settings, "_current", Settings(enabled=True, strict=True))
     monkeypatch.setattr(planner, "plan", lambda *a, **k: 1 / 0)
     model = torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
     with pytest.raises(AutoweaveError):
@@ -273,7 +273,7 @@ def test_recompile_limit_hit_in_a_woven_region_is_reported(caplog):
 
 
 def test_per_module_strategy_override_and_env_strategy(monkeypatch):
-    from autoweave import _bootstrap
+    from autoweave import _settings
     from autoweave._settings import Settings
 
     block = cw.checkpoint_wrapper(Block())
@@ -285,7 +285,7 @@ def test_per_module_strategy_override_and_env_strategy(monkeypatch):
     assert all(d.checkpoint is not None for d in plan.regions())
     with pytest.raises(ValueError, match="hoist, push-down, siblings"):
         autoweave.set_mode(block, strategy="sideways")
-    monkeypatch.setattr(_bootstrap, "_settings", Settings(enabled=True, strategy="siblings"))
+    monkeypatch.setattr(_settings, "_current", Settings(enabled=True, strategy="siblings"))
     other = cw.checkpoint_wrapper(Block())
     assert autoweave.plan(other).decision("_checkpoint_wrapped_module").action.value == "weave"
     # The woven model trains like eager under the forced strategy.

@@ -62,11 +62,11 @@ import site, sys
 site.addsitedir(sys.argv[1])  # processes autoweave.pth as Python's start-up would
 import _autoweave_start
 from autoweave._settings import Settings
-from autoweave import _bootstrap
+from autoweave import _bootstrap, _settings
 import autoweave
 settings = Settings.from_environ({"AUTOWEAVE": "1", "AUTOWEAVE_MODE": "always", "AUTOWEAVE_REPORT": "r{rank}.json"})
 assert settings.enabled and settings.mode == "always" and not settings.problems, settings
-assert _bootstrap.settings().enabled and autoweave.__version__
+assert _settings.current().enabled and autoweave.__version__
 assert _autoweave_start.registered("torch") and "torch" not in sys.modules and "wrapt" not in sys.modules
 print("STARTED")
 """
@@ -75,8 +75,8 @@ _UNUSUAL = """
 import site, sys
 site.addsitedir(sys.argv[1])
 import _autoweave_start
-from autoweave import _bootstrap
-assert not _bootstrap.settings().enabled and not _autoweave_start.registered("torch")
+from autoweave import _bootstrap, _settings
+assert not _settings.current().enabled and not _autoweave_start.registered("torch")
 print("OFF")
 """
 

@@ -77,7 +77,7 @@ def clean(monkeypatch: pytest.MonkeyPatch):
         nn.Module.compile = ORIGINAL_MODULE_COMPILE
         cw.checkpoint_wrapper = ORIGINAL_CHECKPOINT_WRAPPER
         cw.apply_activation_checkpointing.__defaults__ = ORIGINAL_DEFAULTS
-        _bootstrap.reload_settings(Settings())
+        _settings.reload(Settings())
 
 
 def test_enable_patches_all_three_once() -> None:
@@ -100,8 +100,8 @@ def test_enable_disable_enable_leaves_one_layer() -> None:
     autoweave.enable()
     autoweave.enable()
     _bootstrap.install()
-    patches.apply_torch(_bootstrap.settings())
-    patches.apply_checkpoint_wrapper(_bootstrap.settings(), cw)
+    patches.apply_torch(_settings.current())
+    patches.apply_checkpoint_wrapper(_settings.current(), cw)
     for name, obj in targets().items():
         assert layers(obj) == 1, name
     assert patches.applied() == ALL_PATCHES
@@ -122,7 +122,7 @@ def test_disable_restores_identity_and_hooks() -> None:
 
 
 def test_disabled_patches_setting_is_respected() -> None:
-    _bootstrap.reload_settings(Settings(enabled=True, disabled_patches=frozenset({"compile"})))
+    _settings.reload(Settings(enabled=True, disabled_patches=frozenset({"compile"})))
     _bootstrap.install()
     assert patches.applied() == ["checkpoint_wrapper", "module_compile"]
     assert torch.compile is ORIGINAL_COMPILE
@@ -241,7 +241,7 @@ def test_each_disabled_patch_name_leaves_that_function_alone(name: str) -> None:
     # Every name AUTOWEAVE_DISABLED_PATCHES accepts switches off exactly the patch it names.
     settings = Settings.from_environ({"AUTOWEAVE": "1", "AUTOWEAVE_DISABLED_PATCHES": name})
     assert settings.problems == ()
-    _bootstrap.reload_settings(settings)
+    _settings.reload(settings)
     _bootstrap.install()
     assert patches.applied() == [n for n in ALL_PATCHES if n != name]
     current = targets()

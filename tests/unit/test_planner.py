@@ -168,7 +168,7 @@ def test_selective_ac_is_pushed_into_every_region():
 
 def test_fullgraph_full_ac_weaves_siblings():
     plan = planner.plan(_moe_block("full"), fullgraph=True)
-    assert plan.decision("").action is Action.HOIST
+    assert plan.decision("").action is Action.SIBLINGS
     assert plan.decision("_checkpoint_wrapped_module").action is Action.WEAVE
     assert all(d.action is not Action.SPLIT for d in plan.decisions)
 

@@ -1,0 +1,49 @@
+"""What autoweave learns and records while a process runs, in one place, with one reset.
+
+Installed things (patches, import hooks, log handlers, dynamo callbacks) belong
+to whoever installs them and are undone by uninstalling. Everything else a run
+accumulates lives on ``run``: the tree-change counter, warnings already given,
+graph breaks learned, shared compiled regions, recorded plans, the structured
+trace's regions and the live dispatchers. ``reset()`` forgets it all (tests, and
+a process that wants to start over), in place, so modules holding ``run`` keep
+seeing the current state.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+
+class RunState:
+    def __init__(self, generation: int = 0) -> None:
+        # Bumped whenever a module tree may have changed (see ``_changes``);
+        # dispatchers re-read their tree only when it moved.
+        self.generation = generation
+        # _failopen: the one internal-error warning, and the per-key warnings given.
+        self.warned = False
+        self.warned_keys: set[str] = set()
+        # breaks: forward code object -> why it breaks (what one block taught the others).
+        self.learned_breaks: dict[Any, str] = {}
+        # weave: region key -> (compiled region, label); identical blocks share one.
+        self.shared_regions: dict[tuple, tuple[Any, str]] = {}
+        # plan_log: id(dispatcher) -> its latest plan entry; not yet summarised; a summary waiting.
+        self.plans: dict[int, Any] = {}
+        self.unsummarised: list[int] = []
+        self.summary_pending = False
+        # _trace: region label -> what its structured-trace artifact says.
+        self.trace_regions: dict[str, dict[str, Any]] = {}
+        # runtime: every dispatcher alive, told to re-plan when another learns a break.
+        self.live: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+run = RunState()
+
+
+def reset() -> None:
+    """Forget everything the process learned and recorded; installed patches stay.
+
+    The tree-change counter moves on rather than back, so every dispatcher
+    re-reads its tree at its next call.
+    """
+    run.__init__(generation=run.generation + 1)  # type: ignore[misc]

@@ -1,0 +1,74 @@
+"""Benchmark-side measures: GEMMs run outside compiled graphs, and the C heap in use.
+
+The run-time side (graphs, ops, fallbacks) is ``autoweave.capture``; these need
+the profiler or ctypes and only benchmarks and tests ask for them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
+# AOTAutograd runs every compiled graph (aot_eager and inductor alike) inside
+# this autograd function; its profiler range is exactly "inside a graph".
+COMPILED_RANGE = "CompiledFunction"
+
+
+def eager_gemms(profile: Any) -> tuple[int, int]:
+    """(GEMMs outside compiled graphs, GEMMs inside) from a ``torch.profiler`` run."""
+    outside = inside = 0
+    for event in profile.events():
+        if event.name not in GEMM_OPS:
+            continue
+        parent = event.cpu_parent
+        nested_gemm = False
+        in_graph = False
+        while parent is not None:
+            if parent.name == COMPILED_RANGE:
+                in_graph = True
+                break
+            if parent.name in GEMM_OPS:
+                nested_gemm = True  # e.g. addmm calling mm: count the outer one only
+            parent = parent.cpu_parent
+        if nested_gemm:
+            continue
+        if in_graph:
+            inside += 1
+        else:
+            outside += 1
+    return outside, inside
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def heap_in_use() -> int | None:
+    """Bytes the C heap has handed out now (glibc ``mallinfo2``), or ``None`` where unavailable.
+
+    CPU tensors are allocated from it, so the difference across a forward is the
+    activation memory held for backward: what an AC strategy changes.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return int(info.uordblks + info.hblkhd)
