@@ -100,6 +100,30 @@ def dynamo_disabled(fn: Any) -> bool:
     return False
 
 
+@functools.cache
+def tag_activation_checkpoint() -> Any:
+    """torch's checkpoint operator for compiled graphs: what dynamo emits for a traced ``checkpoint``."""
+    return _first("torch._higher_order_ops.wrap.tag_activation_checkpoint")
+
+
+@functools.cache
+def _fullgraph_break_class() -> type:
+    base = _first("torch._dynamo.exc.Unsupported")
+
+    class FullgraphBreak(base):  # type: ignore[misc, valid-type]
+        """``fullgraph=True`` and a graph break autoweave does not compile around."""
+
+    return FullgraphBreak
+
+
+def fullgraph_break(message: str) -> BaseException:
+    """The error ``fullgraph=True`` raises for a break: dynamo's ``Unsupported`` (a subclass)."""
+    try:
+        return _fullgraph_break_class()(message)
+    except Exception:  # a torch whose Unsupported takes other arguments
+        return RuntimeError(message)
+
+
 def disable(fn: Any, *, recursive: bool) -> Any:
     import torch
 
@@ -130,6 +154,29 @@ def compile_backend(
     if wrapper is None:
         raise UnsupportedTorch("torch._TorchCompileWrapper is missing")
     return wrapper(backend, mode, options, dynamic)
+
+
+def wrap_backend(kwargs: dict[str, Any], wrap: Any) -> dict[str, Any]:
+    """``torch.compile`` kwargs whose backend is ``wrap(the callable torch would build)``.
+
+    ``backend``, ``mode`` and ``options`` become that one callable (options
+    dynamo reads itself, ``guard_filter_fn``, stay), so compiling through the
+    wrapper compiles exactly as asked. AOTInductor options are not rebuilt:
+    ``UnsupportedTorch``.
+    """
+    options = kwargs.get("options")
+    if isinstance(options, dict) and options.get("use_aoti"):
+        raise UnsupportedTorch("AOTInductor compile options cannot be wrapped")
+    kept = dict(options) if isinstance(options, dict) else None
+    guard_filter_fn = kept.pop("guard_filter_fn", None) if kept else None
+    inner = compile_backend(
+        kwargs.get("backend", "inductor"), kwargs.get("mode"), kept, kwargs.get("dynamic"), kwargs.get("name")
+    )
+    out = {k: v for k, v in kwargs.items() if k not in ("backend", "mode", "options")}
+    out["backend"] = wrap(inner)
+    if guard_filter_fn is not None:
+        out["options"] = {"guard_filter_fn": guard_filter_fn}
+    return out
 
 
 def compile_callbacks() -> Any:

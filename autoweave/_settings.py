@@ -30,7 +30,7 @@ VARIABLES: dict[str, str] = {
     AUTOWEAVE_LOG_LEVEL: "level of the 'autoweave' logger",
     AUTOWEAVE_STRICT: "raise on internal failures instead of falling back",
     AUTOWEAVE_MODE: "when to weave: auto, always or off",
-    AUTOWEAVE_STRATEGY: "how to place AC in a woven block: auto, hoist, push-down, siblings",
+    AUTOWEAVE_STRATEGY: "how to place AC in a woven block: auto, hoist, pieces, push-down, siblings",
     AUTOWEAVE_REPORT: "write a JSON report of the plan and what compiled to this path at exit",
 }
 
@@ -39,7 +39,7 @@ FALSE_VALUES = ("", "0", "false", "no", "off")
 PATCH_NAMES = ("compile", "module_compile", "checkpoint_wrapper")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MODES = ("auto", "always", "off")
-STRATEGIES = ("auto", "hoist", "push-down", "siblings")
+STRATEGIES = ("auto", "hoist", "pieces", "push-down", "siblings")
 
 
 class Settings:

@@ -202,6 +202,7 @@ class _GraphBreakWatch(logging.Handler):
 
     def install(self) -> None:
         log = self._logger
+        self._saved = (log.level, log.propagate)
         log.addHandler(self)
         if log.getEffectiveLevel() > logging.DEBUG:
             # Listen at DEBUG without showing DEBUG: stop propagation, pass on the rest.
@@ -209,9 +210,28 @@ class _GraphBreakWatch(logging.Handler):
             log.setLevel(logging.DEBUG)
             log.propagate = False
 
+    def uninstall(self) -> None:
+        log = self._logger
+        log.removeHandler(self)
+        if not any(isinstance(h, _GraphBreakWatch) for h in log.handlers):
+            log.setLevel(self._saved[0])
+            log.propagate = self._saved[1]
+
 
 _watch: _GraphBreakWatch | None = None
 _watch_lock = threading.Lock()
+
+
+class recording_graph_breaks:  # noqa: N801 - used like a function: `with recording_graph_breaks() as sites:`
+    """The graph breaks dynamo logs while the block runs (``BreakSite``s, in order)."""
+
+    def __enter__(self) -> list[BreakSite]:
+        self._watch = _GraphBreakWatch()
+        self._watch.install()
+        return self._watch.sites
+
+    def __exit__(self, *exc: Any) -> None:
+        self._watch.uninstall()
 
 
 def watch_graph_breaks() -> None:

@@ -35,6 +35,7 @@ class Action(str, enum.Enum):
     HOIST = "hoist"  # AC wrapper stays eager around a compile of its inner module (which may split)
     SIBLINGS = "siblings"  # AC wrapper stays eager around its inner module's children, compiled one by one
     PUSH_DOWN = "push-down"  # AC wrapper stops checkpointing; each region below checkpoints itself
+    PIECES = "pieces"  # AC wrapper stops checkpointing; each compiled piece below (between breaks) checkpoints itself
     EAGER = "eager"  # left alone
 
 
@@ -64,7 +65,11 @@ class Decision:
     region: bool = False  # this module's forward is compiled on its own
     opaque: bool = False  # kept out of the enclosing region's trace (a deliberate break)
     checkpoint: CheckpointSpec | None = None  # pushed-down AC applied inside this region
-    ac: CheckpointSpec | None = None  # the AC this wrapper had (HOIST / PUSH_DOWN / siblings)
+    # The region is compiled without a traced checkpoint; each graph dynamo cuts it
+    # into (between breaks) is checkpointed on its own (``pieces``), glue included.
+    pieces: bool = False
+    splits: bool = False  # dynamo may cut this region at the boundaries (or breaks) inside
+    ac: CheckpointSpec | None = None  # the AC this wrapper had (HOIST / PIECES / PUSH_DOWN / SIBLINGS)
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,7 @@ class _Context:
     fullgraph: bool
     strategy: str
     checkpoint: CheckpointSpec | None = None  # AC pushed down into every region below
+    pieces: bool = False  # ... applied to each compiled piece, so regions below may split
 
 
 class _Planner:
@@ -298,21 +304,52 @@ class _Planner:
             self.node(child_path, child, ctx)
 
     def can_split(self, ctx: _Context) -> bool:
-        # A split region may break at boundaries: impossible under fullgraph, and
-        # wrong under a pushed-down checkpoint (a break inside a traced
-        # checkpoint is exactly the fallback we avoid).
-        return not ctx.fullgraph and ctx.checkpoint is None
+        # A split region breaks at boundaries. Under fullgraph that is allowed at
+        # the boundaries only (the runtime checks the first call), except when
+        # siblings are asked for. Under a pushed-down checkpoint it is allowed when
+        # each piece is checkpointed on its own: a break inside one traced
+        # checkpoint is exactly the fallback we avoid.
+        if ctx.fullgraph and self.strategy == "siblings":
+            return False
+        return ctx.checkpoint is None or ctx.pieces
 
-    def region(self, path: str, module: nn.Module, ctx: _Context, action: Action, reason: str) -> None:
+    def region(
+        self,
+        path: str,
+        module: nn.Module,
+        ctx: _Context,
+        action: Action,
+        reason: str,
+        *,
+        splits: bool = False,
+    ) -> None:
         if ctx.checkpoint is not None:
-            reason += f", inside {ctx.checkpoint.describe()} pushed down"
-        self.add(path, module, action, reason, region=True, checkpoint=ctx.checkpoint)
+            reason += (
+                f", each piece under {ctx.checkpoint.describe()}"
+                if ctx.pieces
+                else f", inside {ctx.checkpoint.describe()} pushed down"
+            )
+        self.add(
+            path,
+            module,
+            action,
+            reason,
+            region=True,
+            checkpoint=ctx.checkpoint,
+            pieces=ctx.pieces,
+            splits=splits,
+        )
 
     def boundary(
         self, path: str, module: nn.Module, kind: str, ctx: _Context, *, opaque: bool = False
     ) -> None:
         if boundaries.forward_disabled(module):
             self.add(path, module, Action.EAGER, f"{kind}: left eager as the user asked")
+            return
+        if id(module) in self.tree.breaking and ctx.pieces:
+            # A break in its own forward: compiled, dynamo cuts it there, and each
+            # piece carries the checkpoint (the children are traced inside).
+            self.split(path, module, ctx, f"{kind} → compiled, split there", action=Action.BOUNDARY)
             return
         if id(module) in self.tree.breaking and ctx.checkpoint is not None:
             # A break in its own forward: compiled under the pushed-down checkpoint
@@ -373,15 +410,15 @@ class _Planner:
             where = f"{unit}, hooks eager; {where}"
         strategy = self.strategy
         if strategy == "auto":
-            if spec.selective or not spec.known:
-                strategy = "push-down"
-            elif self.fullgraph:
-                strategy = "siblings"
-            else:
-                strategy = "hoist"
-        if strategy == "push-down" and (spec.reentrant or ctx.checkpoint is not None):
+            # Full AC: eager AC around a compile that splits captures everything
+            # and recomputes compiled. A selective policy must see the ops it was
+            # written for, so the checkpoint goes into the compiled graphs.
+            strategy = "pieces" if spec.selective or not spec.known else "hoist"
+        if strategy == "pieces" and not spec.known:
+            strategy = "push-down"  # a custom checkpoint_fn: called as written, around each region
+        if strategy in ("pieces", "push-down") and (spec.reentrant or ctx.checkpoint is not None):
             strategy = "siblings"  # reentrant AC cannot be traced; nested AC stays as written
-        if strategy == "hoist" and (self.fullgraph or ctx.checkpoint is not None):
+        if strategy == "hoist" and ctx.checkpoint is not None:
             strategy = "siblings"
         if strategy == "hoist":
             self.add(
@@ -400,6 +437,17 @@ class _Planner:
                 "compiled under eager AC; dynamo splits it at the boundaries inside"
                 + (f" and at its own {broken}" if broken else ""),
             )
+        elif strategy == "pieces":
+            self.add(
+                path,
+                module,
+                Action.PIECES,
+                f"{where}{spec.describe()} moved into each compiled piece below",
+                opaque=opaque,
+                ac=spec,
+            )
+            inner_ctx = _Context(ctx.fullgraph, ctx.strategy, checkpoint=spec, pieces=True)
+            self.node_inner(inner_path, inner, inner_ctx)
         elif strategy == "push-down":
             self.add(
                 path,
@@ -434,7 +482,7 @@ class _Planner:
     def split(
         self, path: str, module: nn.Module, ctx: _Context, reason: str, action: Action = Action.SPLIT
     ) -> None:
-        self.region(path, module, ctx, action, reason)
+        self.region(path, module, ctx, action, reason, splits=True)
         self.inside_split(path, module, ctx)
 
     def inside_split(self, path: str, module: nn.Module, ctx: _Context) -> None:
@@ -489,9 +537,14 @@ def plan(
     would lose a checkpointed region (or fail under ``fullgraph``), ``always``
     weaves whenever a boundary is inside, ``off`` never weaves. ``strategy``
     places the AC of a woven block: ``hoist`` (eager AC around a compile that may
-    split), ``push-down`` (AC moved into each compiled region; keeps a selective
-    policy honoured), ``siblings`` (eager AC around children compiled one by
-    one), ``auto`` (hoist for full AC, push-down for selective AC).
+    split), ``pieces`` (the block compiled and split at its breaks, each compiled
+    piece checkpointed with the user's policy and options: glue included),
+    ``push-down`` (AC moved into each compiled child region; the glue stays eager),
+    ``siblings`` (eager AC around children compiled one by one), ``auto`` (hoist
+    for full AC, pieces for selective AC, push-down for a custom ``checkpoint_fn``).
+    Under ``fullgraph`` a region may still split at the boundaries autoweave
+    handles (the runtime checks that no other break happened), unless the
+    strategy is ``siblings``.
 
     ``breaks`` names modules (by ``id``) that dynamo was seen breaking in, with
     a reason: they are boundaries of this plan. ``call_traced`` is whether the
@@ -550,13 +603,14 @@ def _plan(
     if (
         outer_ac is not None
         and not outer_ac.reentrant
-        and (outer_ac.selective or not outer_ac.known or strategy == "push-down")
+        and (outer_ac.selective or not outer_ac.known or strategy in ("push-down", "pieces"))
     ):
         # AC outside the compile: plain torch splits at the boundary, but an eager
         # selective policy around compiled code sees inductor's kernels, not the
         # ops it was written for. Move the checkpoint into each region instead.
         planner = _Planner(tree, strategy, fullgraph)
-        planner.node("", target, _Context(fullgraph, strategy, checkpoint=outer_ac), root=True)
+        pieces = outer_ac.known and strategy in ("auto", "pieces")
+        planner.node("", target, _Context(fullgraph, strategy, checkpoint=outer_ac, pieces=pieces), root=True)
         return Plan(
             root_type, True, mode, strategy, fullgraph, tuple(planner.out), found, outer_push_down=outer_ac
         )

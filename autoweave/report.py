@@ -330,29 +330,13 @@ def instrument(kwargs: dict[str, Any], label: str, kind: str = "woven") -> dict[
     stats = _stats
     if stats is None:
         return kwargs
-    options = kwargs.get("options")
-    if isinstance(options, dict) and options.get("use_aoti"):
-        return kwargs  # AOTInductor wrappers are not rebuilt here
     from autoweave import _compat
 
     try:
-        kept = dict(options) if isinstance(options, dict) else None
-        guard_filter_fn = kept.pop("guard_filter_fn", None) if kept else None
-        inner = _compat.compile_backend(
-            kwargs.get("backend", "inductor"),
-            kwargs.get("mode"),
-            kept,
-            kwargs.get("dynamic"),
-            kwargs.get("name"),
-        )
-    except Exception as exc:
+        return _compat.wrap_backend(kwargs, lambda inner: _Counting(stats, stats.region(label, kind), inner))
+    except Exception as exc:  # AOTInductor options, a torch without the wrappers
         logger.debug("report: not counting %s (%s)", label, exc)
         return kwargs
-    out = {k: v for k, v in kwargs.items() if k not in ("backend", "mode", "options")}
-    out["backend"] = _Counting(stats, stats.region(label, kind), inner)
-    if guard_filter_fn is not None:
-        out["options"] = {"guard_filter_fn": guard_filter_fn}
-    return out
 
 
 def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from autoweave import (
     _compat,
     _instances,
     _settings,
+    _where,
     breaks,
     capture,
     plan_log,
@@ -204,6 +205,7 @@ class _Dispatcher:
         self._call_traced = True  # torch.compile(module) traces __call__; in-place compile does not
         # What a first-call fallback taught (modules that break, planning options): kept for re-plans.
         self._learned: dict[str, Any] = {}
+        self._fullgraph_error: BaseException | None = None
         _run.live.add(self)
 
     # How the dispatcher is put in place -------------------------------------------------
@@ -293,9 +295,17 @@ class _Dispatcher:
         checkpoint may still hold a break nobody located yet (a second one in
         the same block); dynamo's fallback message then re-plans around it too.
         """
+        allowed = self._allowed_breaks()
         try:
-            out = self._watched(self._eager, args, kwargs)
+            if allowed is None:
+                out = self._watched(self._eager, args, kwargs)
+            else:
+                with _where.recording_graph_breaks() as seen:
+                    out = self._watched(self._eager, args, kwargs)
+                self._check_fullgraph(seen, allowed)
         except Exception as exc:
+            if exc is self._fullgraph_error:
+                raise  # the user's break under fullgraph=True: theirs to fix, as in plain torch
             name = plan_log.name_of(self)
             if _strict():
                 raise AutoweaveError(
@@ -333,6 +343,38 @@ class _Dispatcher:
             return out
         self._trial = False
         return out
+
+    def _allowed_breaks(self) -> set[str] | None:
+        """Under ``fullgraph=True`` with a region that splits: the lines where a break is allowed.
+
+        Those are the calls of the boundaries autoweave compiles around; None
+        when nothing needs checking.
+        """
+        plan = self.plan
+        if plan is None or not plan.fullgraph or not any(d.splits for d in plan.decisions):
+            return None
+        return {source.call for _, source in plan.sources if source.call}
+
+    def _check_fullgraph(self, seen: list[Any], allowed: set[str]) -> None:
+        """``fullgraph=True``: a break anywhere but at a boundary raises, as plain torch would."""
+        unexpected = [site for site in seen if site.site not in allowed]
+        if not unexpected:
+            return
+        with self._lock:
+            plan = self.plan
+            self.release()
+            self.fell_back = True  # plain fullgraph compile from now on: it raises at every call
+            if plan is not None:
+                self.plan = plan.plain_instead("fullgraph=True and a graph break outside the boundaries")
+                plan_log.record_plan(self, self.plan, plain_label=report.plain_label(self.target))
+        first = unexpected[0]
+        error = _compat.fullgraph_break(
+            f"fullgraph=True: graph break at {first.site} ({first.reason or 'see TORCH_LOGS=graph_breaks'}); "
+            "autoweave compiles around boundaries only"
+            + (f" (here: {', '.join(sorted(allowed))})" if allowed else "")
+        )
+        self._fullgraph_error = error
+        raise error
 
     def _run_plain(self, args: tuple, kwargs: dict) -> Any:
         with self._lock:

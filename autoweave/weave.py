@@ -20,6 +20,7 @@ from autoweave._codegen import on_own_code
 from autoweave._instances import install_forward, restore_forward
 from autoweave._state import run
 from autoweave.boundaries import own_forward, user_forward
+from autoweave.pieces import CheckpointPieces
 from autoweave.planner import Action, Plan
 
 _labels = itertools.count()
@@ -118,7 +119,15 @@ def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]
             _identity(getattr(spec.checkpoint_fn, "keywords", {})),
         )
     )
-    return (type(module).forward, structure, shapes, decision.action, checkpoint, _identity(compile_kwargs))
+    return (
+        type(module).forward,
+        structure,
+        shapes,
+        decision.action,
+        decision.pieces,
+        checkpoint,
+        _identity(compile_kwargs),
+    )
 
 
 def _label(path: str, module: nn.Module) -> str:
@@ -174,6 +183,10 @@ def _region_forward(
 ) -> tuple[Callable[..., Any], str]:
     """The compiled forward to install on ``module``, and its region label."""
     checkpoint_fn = None if decision.checkpoint is None else decision.checkpoint.checkpoint_fn
+    if decision.pieces and checkpoint_fn is not None:
+        # Not traced: each graph piece dynamo cuts the region into carries it (see ``pieces``).
+        kwargs = _compat.wrap_backend(kwargs, lambda inner: CheckpointPieces(inner, checkpoint_fn))
+        checkpoint_fn = None
     own = own_forward(module)
     if own is not None:
         label = _label(decision.path, module)
@@ -185,9 +198,7 @@ def _region_forward(
         _shared[key] = (
             compile_fn(
                 on_own_code(type(module).forward, label)
-                if decision.action is Action.SPLIT
-                and checkpoint_fn is None
-                and _user_code(type(module).forward)
+                if decision.splits and checkpoint_fn is None and _user_code(type(module).forward)
                 else _shared_region(type(module).forward, checkpoint_fn, label),
                 **instrument(kwargs, label),
             ),
@@ -219,10 +230,11 @@ def apply_plan(
             forward: Callable[..., Any] | None = None
             if decision.region:
                 kwargs = dict(compile_kwargs)
-                kwargs["fullgraph"] = bool(kwargs.get("fullgraph")) and decision.action is not Action.SPLIT
+                # A region that splits is checked at its first call instead (see runtime).
+                kwargs["fullgraph"] = bool(kwargs.get("fullgraph")) and not decision.splits
                 forward, label = _region_forward(module, decision, compile_fn, kwargs, instrument)
                 applied.regions[decision.path] = label
-            elif decision.action is Action.PUSH_DOWN:
+            elif decision.action in (Action.PUSH_DOWN, Action.PIECES):
                 forward = _without_checkpoint(module)
             elif decision.action is Action.EAGER and decision.checkpoint is not None:
                 # Eager, under the user's checkpoint (the AC its wrapper applied, moved here).

@@ -211,3 +211,51 @@ class Stack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
+
+
+def _skip(module: nn.Module, args: tuple) -> None:
+    return None
+
+
+def _fsdp_like(module: nn.Module) -> nn.Module:
+    """A ``torch.compiler.disable``d pre-hook, as ``fully_shard`` gives a unit: a real graph break."""
+    module.register_forward_pre_hook(torch.compiler.disable(_skip))
+    return module
+
+
+class StackedExperts(nn.Module):
+    """Every expert on every token: ``(tokens, dim) -> (experts, tokens, dim)`` with two ``bmm``."""
+
+    def __init__(self, dim: int = DIM, n: int = N_EXPERTS) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(n, dim, 2 * dim) / dim**0.5)
+        self.w2 = nn.Parameter(torch.randn(n, 2 * dim, dim) / (2 * dim) ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xe = x.unsqueeze(0).expand(self.w1.shape[0], -1, -1)
+        return torch.bmm(torch.relu(torch.bmm(xe, self.w1)), self.w2)
+
+
+class GlueGemmBlock(nn.Module):
+    """A block whose own glue holds GEMMs: attention-like projection, router, and an einsum combine.
+
+    The experts are the boundary (``fsdp=True``: a disabled pre-hook, as ``fully_shard`` makes);
+    everything else in ``forward`` is the block's glue, run between its children.
+    """
+
+    def __init__(self, dim: int = DIM, n: int = N_EXPERTS, fsdp: bool = True) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.router = nn.Linear(dim, n)
+        self.experts = StackedExperts(dim, n)
+        if fsdp:
+            _fsdp_like(self.experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + torch.tanh(self.attn(self.norm1(x)))
+        hn = self.norm2(h)
+        gates = torch.softmax(self.router(hn), dim=-1)
+        routed = self.experts(hn)
+        return h + torch.einsum("etd,te->td", routed, gates)  # the combine: a bmm in the glue

@@ -101,7 +101,7 @@ def test_any_break_under_ac_is_compiled_around(make, n_breaks, ac):
     plan = runtime.dispatcher_of(model).plan
     assert plan.woven and plan.strategy == "auto" and plan.mode == "auto"
     root = plan.decision("")
-    assert root.action is (Action.HOIST if ac == "full" else Action.PUSH_DOWN)
+    assert root.action is (Action.HOIST if ac == "full" else Action.PIECES)
     assert any("graph break in its forward at break_models.py:" in d.reason for d in plan.decisions)
     gemms = _eager_gemms(model, x)
     assert gemms < plain_gemms
@@ -113,9 +113,29 @@ def test_any_break_under_ac_is_compiled_around(make, n_breaks, ac):
         assert gemms == _eager_gemms(outer, x)
 
 
-def test_selective_ac_compiles_around_the_breaking_module_under_the_policy():
+def test_selective_ac_splits_at_the_break_and_checkpoints_each_piece():
     torch.manual_seed(0)
-    model = torch.compile(_ac(bm.BreakBlock(), "selective"), backend=BACKEND)
+    for make in (bm.BreakBlock, bm.LoopBlock):
+        x = torch.randn(6, bm.DIM)
+        model = torch.compile(_ac(make(), "selective"), backend=BACKEND)
+        _train(model, x, steps=2)
+        plan = runtime.dispatcher_of(model).plan
+        assert plan.decision("").action is Action.PIECES
+        inner = plan.decision("_checkpoint_wrapped_module")
+        assert inner.action is Action.SPLIT and inner.pieces and inner.checkpoint.selective
+        experts = plan.decision("_checkpoint_wrapped_module.experts")
+        assert (
+            experts.action is Action.BOUNDARY and not experts.region and "break_models.py" in experts.reason
+        )
+        # Every forward GEMM compiled, the per-expert loop included (dynamo resumes after the break).
+        assert _eager_gemms(model, x) == 0
+
+
+def test_selective_ac_push_down_compiles_around_the_breaking_module_under_the_policy():
+    torch.manual_seed(0)
+    model = torch.compile(
+        autoweave.set_mode(_ac(bm.BreakBlock(), "selective"), strategy="push-down"), backend=BACKEND
+    )
     _train(model, torch.randn(6, bm.DIM), steps=2)
     plan = runtime.dispatcher_of(model).plan
     experts = plan.decision("_checkpoint_wrapped_module.experts")
@@ -125,7 +145,9 @@ def test_selective_ac_compiles_around_the_breaking_module_under_the_policy():
     assert {"norm", "gate", "out", "up", "down"} <= compiled
     assert all(d.checkpoint is not None and d.checkpoint.selective for d in plan.regions())
     # A module with no children to compile runs eager under the pushed-down policy.
-    loop = torch.compile(_ac(bm.LoopBlock(), "selective"), backend=BACKEND)
+    loop = torch.compile(
+        autoweave.set_mode(_ac(bm.LoopBlock(), "selective"), strategy="push-down"), backend=BACKEND
+    )
     _train(loop, torch.randn(6, bm.DIM), steps=2)
     experts = runtime.dispatcher_of(loop).plan.decision("_checkpoint_wrapped_module.experts")
     assert experts.action is Action.EAGER and experts.checkpoint is not None and experts.checkpoint.selective
@@ -217,7 +239,7 @@ def test_whole_model_compile_is_woven_from_the_first_step(how, ac):
     plan = runtime.dispatcher_of(compiled).plan
     assert plan.woven and plan.mode == "auto" and plan.strategy == "auto"
     layer = plan.decision("layers.0")
-    assert layer.action is (Action.HOIST if ac == "full" else Action.PUSH_DOWN)
+    assert layer.action is (Action.HOIST if ac == "full" else Action.PIECES)
     # At least the capture of compiling each block (which leaves the head eager): the root's
     # forward loops over the blocks, so it is woven and its head is a region of its own.
     per_block = copy.deepcopy(model if how == "model.compile" else compiled._orig_mod)

@@ -70,11 +70,29 @@ def test_without_autoweave_the_same_block_falls_back():
     assert runtime.dispatcher_of(model) is None
 
 
-def test_inplace_fullgraph_compiles_each_region_instead_of_raising():
+def test_inplace_fullgraph_splits_only_at_the_boundary_instead_of_raising():
+    torch._dynamo.reset()
     torch.manual_seed(0)
     block, x = Block(), torch.randn(4, 8)
     ref = _reference(block, x)
     model = cw.checkpoint_wrapper(block)
+    model.compile(backend="aot_eager", fullgraph=True)
+    got = _train(model, x)
+    torch.testing.assert_close(got[1][-1], ref[1][-1], rtol=1e-5, atol=1e-6)
+    plan = runtime.dispatcher_of(model).plan
+    assert plan.decision("").action.value == "hoist"
+    inner = plan.decision("_checkpoint_wrapped_module")
+    assert inner.action.value == "split" and inner.splits
+    # Every break dynamo met is the boundary's (its disabled hook), none elsewhere.
+    reasons = torch._dynamo.utils.counters["graph_break"]
+    assert reasons and all("disable" in reason for reason in reasons), dict(reasons)
+
+
+def test_inplace_fullgraph_with_siblings_compiles_each_region_instead_of_raising():
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(4, 8)
+    ref = _reference(block, x)
+    model = autoweave.set_mode(cw.checkpoint_wrapper(block), strategy="siblings")
     cap = capture.Capture()
     model.compile(backend=cap.backend(), fullgraph=True)
     got = _train(model, x)
@@ -182,7 +200,7 @@ def test_32_same_class_leaf_regions_with_different_shapes_never_hit_recompile_li
             return [layer(x) for layer, x in zip(self.layers, xs, strict=True)], self.experts(xs[4])
 
     cap = capture.Capture()
-    stack = Stack()
+    stack = autoweave.set_mode(Stack(), strategy="siblings")  # a region per leaf, fullgraph each
     stack.compile(backend=cap.backend(), fullgraph=True)
     xs = [torch.randn(2, d) for d in dims]
     with caplog.at_level(logging.WARNING), RecompileLimitHits() as hits:
@@ -283,7 +301,7 @@ def test_per_module_strategy_override_and_env_strategy(monkeypatch):
     plan = autoweave.plan(block)
     assert plan.decision("").action.value == "push-down"
     assert all(d.checkpoint is not None for d in plan.regions())
-    with pytest.raises(ValueError, match="hoist, push-down, siblings"):
+    with pytest.raises(ValueError, match="hoist, pieces, push-down, siblings"):
         autoweave.set_mode(block, strategy="sideways")
     monkeypatch.setattr(_settings, "_current", Settings(enabled=True, strategy="siblings"))
     other = cw.checkpoint_wrapper(Block())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,14 +27,19 @@ def _policy(ctx, op, *args, **kwargs):
 
 
 def _sac(module: nn.Module) -> nn.Module:
-    return checkpoint_wrapper(module, context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
+    return checkpoint_wrapper(
+        module, context_fn=functools.partial(create_selective_checkpoint_contexts, _policy)
+    )
 
 
 # A tree spec: ("leaf",) | ("node", boundary, ac, [children])
 trees = st.recursive(
     st.just(("leaf",)),
     lambda kids: st.tuples(
-        st.just("node"), st.booleans(), st.sampled_from(["none", "full", "selective"]), st.lists(kids, min_size=1, max_size=3)
+        st.just("node"),
+        st.booleans(),
+        st.sampled_from(["none", "full", "selective"]),
+        st.lists(kids, min_size=1, max_size=3),
     ),
     max_leaves=12,
 )
@@ -114,16 +120,18 @@ def test_plan_invariants(spec, mode, strategy, fullgraph):
             assert not any(boundaries.classify(m) for n, m in module.named_modules() if m is not module)
             assert not any(p.startswith(d.path + ".") for p in by_path if d.path)
         if d.action is Action.SPLIT:
-            assert not fullgraph and d.checkpoint is None
+            assert d.splits
+            assert not (fullgraph and strategy == "siblings")  # fullgraph splits only at boundaries
+            assert d.checkpoint is None or d.pieces  # no break inside a traced checkpoint
         if d.checkpoint is not None:
-            assert d.action in (Action.COMPILE, Action.BOUNDARY)
+            assert d.action in (Action.COMPILE, Action.BOUNDARY) or d.pieces
     for path in boundary_paths:
         # Every boundary's hooks stay out of compiled regions: the nearest region above it may
         # only be a split region (dynamo breaks the graph at the boundary's call).
         regions_above = [by_path[a] for a in _ancestors(path) if a in by_path and by_path[a].region]
         if regions_above:
             assert regions_above[-1].action in (Action.SPLIT, Action.BOUNDARY)
-            assert not fullgraph
+            assert regions_above[-1].splits and (not fullgraph or strategy != "siblings")
     # Every parameter is captured by exactly one compiled region (see _owning_regions).
     for path, module in modules.items():
         for name, _ in module.named_parameters(recurse=False):
@@ -132,7 +140,9 @@ def test_plan_invariants(spec, mode, strategy, fullgraph):
             assert len(owners) == 1, f"{where} is captured by regions {owners}, not exactly one"
     # No traced checkpoint contains a boundary: each AC wrapper over a boundary is decided.
     for name, m in modules.items():
-        if isinstance(m, CheckpointWrapper) and any(boundaries.classify(x) for x in m.modules() if x is not m):
+        if isinstance(m, CheckpointWrapper) and any(
+            boundaries.classify(x) for x in m.modules() if x is not m
+        ):
             if name and not any(a in by_path and by_path[a].action is Action.EAGER for a in _ancestors(name)):
                 inside_boundary = any(boundaries.classify(modules[a]) for a in _ancestors(name) if a)
                 assert name in by_path or inside_boundary
@@ -157,8 +167,41 @@ def test_full_ac_hoists_and_compiles_the_boundary_inner_forward():
     assert experts.action is Action.BOUNDARY and experts.region and "FSDP unit" in experts.reason
 
 
-def test_selective_ac_is_pushed_into_every_region():
+def test_selective_ac_is_moved_into_each_compiled_piece():
     plan = planner.plan(_moe_block("selective"))
+    root = plan.decision("")
+    assert root.action is Action.PIECES and root.ac.selective
+    inner = plan.decision("_checkpoint_wrapped_module")
+    assert inner.action is Action.SPLIT and inner.pieces and inner.checkpoint.selective
+    # Every region (the split block, the boundary's own forward) checkpoints each of its pieces.
+    assert all(r.pieces and r.checkpoint.selective for r in plan.regions())
+    assert {r.path.rsplit(".", 1)[-1] for r in plan.regions()} == {"_checkpoint_wrapped_module", "experts"}
+
+
+@pytest.mark.parametrize(
+    "strategy, action",
+    [
+        ("hoist", Action.HOIST),
+        ("pieces", Action.PIECES),
+        ("push-down", Action.PUSH_DOWN),
+        ("siblings", Action.SIBLINGS),
+    ],
+)
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_every_strategy_can_be_chosen(ac, strategy, action):
+    assert planner.plan(_moe_block(ac), strategy=strategy).decision("").action is action
+
+
+def test_auto_picks_hoist_for_full_pieces_for_selective_push_down_for_a_custom_checkpoint():
+    assert planner.plan(_moe_block("full")).decision("").action is Action.HOIST
+    assert planner.plan(_moe_block("selective")).decision("").action is Action.PIECES
+    block = _moe_block("full")._checkpoint_wrapped_module
+    custom = checkpoint_wrapper(block, checkpoint_fn=lambda fn, *a, **k: fn(*a, **k))
+    assert planner.plan(custom).decision("").action is Action.PUSH_DOWN
+
+
+def test_selective_ac_push_down_is_pushed_into_every_region():
+    plan = planner.plan(_moe_block("selective"), strategy="push-down")
     root = plan.decision("")
     assert root.action is Action.PUSH_DOWN and root.ac.selective
     regions = plan.regions()
@@ -166,8 +209,17 @@ def test_selective_ac_is_pushed_into_every_region():
     assert {r.path.rsplit(".", 1)[-1] for r in regions} == {"norm", "router", "experts"}
 
 
-def test_fullgraph_full_ac_weaves_siblings():
+def test_fullgraph_full_ac_hoists_and_splits_only_at_the_boundary():
     plan = planner.plan(_moe_block("full"), fullgraph=True)
+    assert plan.decision("").action is Action.HOIST
+    inner = plan.decision("_checkpoint_wrapped_module")
+    assert inner.action is Action.SPLIT and inner.splits
+    # The boundary's own forward is a region that may not split: fullgraph applies there.
+    assert not plan.decision("_checkpoint_wrapped_module.moe.experts").splits
+
+
+def test_fullgraph_full_ac_with_siblings_weaves_siblings():
+    plan = planner.plan(_moe_block("full"), fullgraph=True, strategy="siblings")
     assert plan.decision("").action is Action.SIBLINGS
     assert plan.decision("_checkpoint_wrapped_module").action is Action.WEAVE
     assert all(d.action is not Action.SPLIT for d in plan.decisions)
@@ -179,7 +231,7 @@ def test_nested_boundary_inside_boundary():
     outer.add_module("inner", boundaries.boundary(nn.Linear(2, 2), "FSDP unit (fully_shard)"))
     block = Node()
     block.add_module("outer", outer)
-    plan = planner.plan(checkpoint_wrapper(block), fullgraph=True)
+    plan = planner.plan(checkpoint_wrapper(block), fullgraph=True, strategy="siblings")
     assert plan.decision("_checkpoint_wrapped_module.outer").action is Action.BOUNDARY
     assert plan.decision("_checkpoint_wrapped_module.outer.inner").action is Action.BOUNDARY
     assert plan.decision("_checkpoint_wrapped_module.outer.a").action is Action.COMPILE
