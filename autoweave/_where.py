@@ -114,14 +114,23 @@ def forward_site(module: Any) -> str | None:
 
 
 def call_site(parent: Any, name: str) -> str | None:
-    """``file:line`` of the first ``self.<name>`` in ``parent``'s own forward, when the user wrote it."""
+    """``file:line`` of the first ``self.<name>`` in ``parent``'s forward, when the user wrote it.
+
+    A subclass's forward that calls ``super().forward`` leaves the call in a base
+    class's forward: the classes are searched in method resolution order.
+    """
     parent = _user_module(parent)
-    forward = parent.__dict__.get("forward") or type(parent).forward
-    code = _code_of(forward)
-    if code is None or not is_user_file(code.co_filename):
-        return None
-    line = _attribute_lines(code).get(name)
-    return None if line is None else f"{code.co_filename}:{line}"
+    forwards = [parent.__dict__.get("forward")] + [
+        cls.__dict__.get("forward") for cls in type(parent).__mro__
+    ]
+    for forward in forwards:
+        code = _code_of(forward) if forward is not None else None
+        if code is None or not is_user_file(code.co_filename):
+            continue
+        line = _attribute_lines(code).get(name)
+        if line is not None:
+            return f"{code.co_filename}:{line}"
+    return None
 
 
 def source_dict(plan: Any, path: str) -> dict[str, str | None] | None:

@@ -113,6 +113,53 @@ def _break_experts(model: nn.Module) -> None:
             b.moe.experts.__class__ = BreakingExperts
 
 
+class StackedExperts(tm.GroupedExperts):
+    """Every expert's output, stacked: ``(T, D) -> (E, T, D)``; the MoE combines them."""
+
+    def forward(self, x: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
+        xe = x.unsqueeze(0).expand(self.num_experts, -1, -1)
+        h = F.silu(torch.bmm(xe, self.w1.transpose(1, 2))) * torch.bmm(xe, self.w3.transpose(1, 2))
+        return torch.bmm(h, self.w2.transpose(1, 2))
+
+
+class EinsumMoE(tm.MoE):
+    """A different block layout: the combine is an einsum (a ``bmm``) in the MoE's own forward.
+
+    That GEMM is the block's glue, run between the router and the experts' FSDP unit and after
+    it: what ``push-down`` leaves eager and ``pieces`` compiles under the checkpoint.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        top_scores, selected = self.router(tokens)
+        weights = torch.zeros(tokens.shape[0], self.n_routed_experts, dtype=top_scores.dtype).scatter(
+            1, selected, top_scores
+        )
+        routed = torch.einsum("etd,te->td", self.experts(tokens, weights), weights)
+        return (routed + self.shared_experts(tokens)).reshape(bsz, seqlen, dim)
+
+
+class GlueBreakMoE(EinsumMoE):
+    """A graph break in the MoE's own glue (not at a boundary): fullgraph=True must refuse it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        torch._dynamo.graph_break()
+        return out
+
+
+# --glue-gemm: MoE blocks combine with an einsum in their own forward (EinsumMoE).
+GLUE_GEMM = False
+
+
+def _glue_gemm(model: nn.Module, moe_class: type = EinsumMoE) -> None:
+    for b in model.layers.values():
+        if b.moe_enabled:
+            b.moe.__class__ = moe_class
+            b.moe.experts.__class__ = StackedExperts
+
+
 def _sibling_weave(block: nn.Module, backend: Any) -> None:
     """The hand-written weave trainers write: compile each child, and the experts' inner forward."""
     for name, child in block.named_children():
@@ -130,6 +177,8 @@ def build(order: str, ac: str, backend: Any, mesh: Any, expert_mesh: Any, args: 
     """The model parallelized the way ``order`` says (see ORDERS)."""
     model = tm.Transformer(args)
     model.init_weights(0)
+    if GLUE_GEMM:
+        _glue_gemm(model)
     ckw = _ac_kwargs(ac)
     wrap = _ckpt_wrapper()
     layers = model.layers
@@ -142,6 +191,12 @@ def build(order: str, ac: str, backend: Any, mesh: Any, expert_mesh: Any, args: 
             layers[k] = torch.compile(wrap(b, preserve_rng_state=False, **ckw), backend=backend)
         _fsdp(model, mesh, expert_mesh)
     elif order == "inplace_fullgraph":  # checkpoint_wrapper(block).compile(fullgraph=True)
+        for k, b in layers.items():
+            layers[k] = wrap(b, preserve_rng_state=False, **ckw)
+            layers[k].compile(backend=backend, fullgraph=True)
+        _fsdp(model, mesh, expert_mesh)
+    elif order == "fullgraph_glue_break":  # inplace_fullgraph, and a break in the MoE's own glue
+        _glue_gemm(model, GlueBreakMoE)
         for k, b in layers.items():
             layers[k] = wrap(b, preserve_rng_state=False, **ckw)
             layers[k].compile(backend=backend, fullgraph=True)
@@ -221,6 +276,7 @@ def build(order: str, ac: str, backend: Any, mesh: Any, expert_mesh: Any, args: 
 ORDERS = (
     "compile_ac",
     "inplace_fullgraph",
+    "fullgraph_glue_break",
     "ac_compile",
     "fsdp_then_compile",
     "no_block_fsdp",
@@ -392,7 +448,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", default="aot_eager")
     p.add_argument("--out", required=True)
     p.add_argument("--warmup", action="store_true", help="compile a throw-away function before the variants")
+    p.add_argument("--glue-gemm", action="store_true", help="MoE blocks combine with an einsum (EinsumMoE)")
     a = p.parse_args(argv)
+    global GLUE_GEMM
+    GLUE_GEMM = a.glue_gemm
     dist.init_process_group("gloo")
     autoweave.enable()
     if a.warmup:

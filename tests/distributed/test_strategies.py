@@ -1,8 +1,12 @@
-"""AC placement per woven block (hoist / push-down / siblings) on real gloo FSDP2, full and selective AC.
+"""AC placement per woven block (hoist / pieces / push-down / siblings) on real gloo FSDP2, full and
+selective AC, and ``fullgraph=True``.
 
-Selective-AC policy checks run with inductor: with aot_eager a policy sees `.default` ops even
-around compiled code, so only inductor shows whether the policy still decides on the ops it was
-written for (FACTS: an eager SAC wrapper around inductor code sees only extern `.out` kernels).
+The ``full`` and ``selective`` runs use a block layout of their own (``--glue-gemm``: the MoE
+combines its experts' outputs with an einsum in its own forward), so the block's glue holds a GEMM
+that only a strategy compiling the glue captures. Selective-AC policy checks against kernels run
+with inductor on the example: with aot_eager a policy sees `.default` ops even around compiled
+code, so only inductor shows whether the policy still decides on the ops it was written for (FACTS:
+an eager SAC wrapper around inductor code sees only extern `.out` kernels).
 """
 
 from __future__ import annotations
@@ -11,23 +15,32 @@ import pytest
 
 from tests.distributed.test_weave_fsdp import _assert_matches_eager, _run
 
-STRATEGIES = ("hoist", "push-down", "siblings")
+STRATEGIES = ("hoist", "pieces", "push-down", "siblings")
 # Ops a woven block's own forward (glue, run eager) and FSDP's hooks show to an eager SAC
 # policy but no compiled region does: the MoE combine's zeros/scatter, and FSDP's all-gather.
 GLUE = {"aten.zeros.default", "aten.scatter.src", "aten.as_strided.default", "aten.empty.memory_format"}
 HOOK_PREFIXES = ("c10d.", "fsdp.", "profiler.")
+# What FSDP's unshard allocates (its all-gather output views) while an eager SAC policy listens.
+FSDP_ALLOCATIONS = {"aten.as_strided.default", "aten.empty.memory_format"}
+VARIANTS = [
+    "eager",
+    "upper_bound:off",
+    "hand_siblings:off",
+    "compile_ac:on",
+    "inplace_fullgraph:on",
+    "fullgraph_glue_break:off",
+    "fullgraph_glue_break:on",
+] + [f"compile_ac:on:{s}" for s in STRATEGIES]
 
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    variants = ["eager", "upper_bound:off", "hand_siblings:off"] + [f"compile_ac:on:{s}" for s in STRATEGIES]
-    return _run(tmp_path_factory.mktemp("strat_full"), "full", variants)
+    return _run(tmp_path_factory.mktemp("strat_full"), "full", VARIANTS, "--glue-gemm")
 
 
 @pytest.fixture(scope="module")
 def selective(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    variants = ["eager", "hand_siblings:off"] + [f"compile_ac:on:{s}" for s in STRATEGIES]
-    return _run(tmp_path_factory.mktemp("strat_sac"), "selective", variants)
+    return _run(tmp_path_factory.mktemp("strat_sac"), "selective", VARIANTS, "--glue-gemm")
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +58,57 @@ def test_each_strategy_under_each_ac_mode(request: pytest.FixtureRequest, ac: st
     _assert_matches_eager(rec, results[("eager", True)])
     assert rec["fallbacks"] == 0
     assert rec["eager_gemms"] <= results[("hand_siblings", False)]["eager_gemms"]
-    if ac == "full" and strategy == "hoist":
-        # Hoist captures the glue too: as few eager GEMMs as the model with no nested FSDP unit.
-        assert rec["eager_gemms"] == results[("upper_bound", False)]["eager_gemms"]
+    limit = results[("upper_bound", False)]["eager_gemms"]  # no nested FSDP unit: all but the head
+    if strategy == "pieces" or (ac == "full" and strategy == "hoist"):
+        # The block's glue compiled too (the einsum combine): the capture limit.
+        assert rec["eager_gemms"] == limit
+    if strategy in ("push-down", "siblings"):
+        assert rec["eager_gemms"] > limit  # the glue's einsum runs eager in every MoE block
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_auto_reaches_the_capture_limit(request: pytest.FixtureRequest, ac: str) -> None:
+    results = request.getfixturevalue(ac)
+    rec = results[("compile_ac", True)]
+    _assert_matches_eager(rec, results[("eager", True)])
+    assert rec["fallbacks"] == 0
+    assert rec["eager_gemms"] == results[("upper_bound", False)]["eager_gemms"]
+
+
+@pytest.mark.slow
+def test_pieces_policy_decides_every_op_of_the_block_glue_included(selective: dict) -> None:
+    eager = {tuple(p) for p in selective[("eager", True)]["policy"]}
+    assert eager
+    block_ops = {p for p in eager if not p[0].startswith(HOOK_PREFIXES) and p[0] not in FSDP_ALLOCATIONS}
+    pieces = {tuple(p) for p in selective[("compile_ac", True, "pieces")]["policy"]}
+    # Every op eager SAC decided on (FSDP's hooks and allocations aside), with the same decision,
+    # and nothing else.
+    assert pieces <= eager, sorted(pieces - eager)
+    assert block_ops <= pieces, sorted(block_ops - pieces)
+    # push-down leaves the glue outside any checkpoint: the policy never sees the combine.
+    push_down = {tuple(p) for p in selective[("compile_ac", True, "push-down")]["policy"]}
+    assert block_ops - push_down
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_fullgraph_splits_only_at_the_fsdp_unit(request: pytest.FixtureRequest, ac: str) -> None:
+    results = request.getfixturevalue(ac)
+    rec = results[("inplace_fullgraph", True)]
+    _assert_matches_eager(rec, results[("eager", True)])
+    assert rec["fallbacks"] == 0
+    assert rec["eager_gemms"] == results[("upper_bound", False)]["eager_gemms"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_fullgraph_still_raises_on_a_break_in_the_glue(request: pytest.FixtureRequest, ac: str) -> None:
+    results = request.getfixturevalue(ac)
+    assert "Unsupported" in results[("fullgraph_glue_break", False)].get("error", "")
+    error = results[("fullgraph_glue_break", True)].get("error", "")
+    assert "Unsupported" in error or "FullgraphBreak" in error, error
+    assert "graph break at" in error and "moe_variants.py" in error, error
 
 
 @pytest.mark.slow

@@ -1,0 +1,214 @@
+"""The glue of a woven block, compiled and checkpointed: the ``pieces`` strategy and ``fullgraph=True``.
+
+``bm.GlueGemmBlock`` holds GEMMs in its own forward (an attention-like projection, the router, an
+einsum combine) around experts that break the graph as an FSDP unit does. Plain torch runs the
+checkpointed block eager; ``push-down`` compiles the children but leaves the glue eager and
+outside any checkpoint; ``pieces`` compiles the block split at the break and checkpoints each piece
+with the user's policy. Real FSDP2 runs are in ``tests/distributed/test_strategies.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import autoweave
+from autoweave import _state, capture, runtime
+from autoweave.planner import Action
+from benchmarks.measure import eager_gemms
+from tests import break_models as bm
+
+DIM, TOKENS = 16, 12
+# Forward GEMMs of one GlueGemmBlock: attn, router, two expert bmm, the combine's bmm.
+GEMMS = 5
+
+
+@pytest.fixture(autouse=True)
+def weave_on():
+    assert autoweave.enable()
+    _state.reset()
+    torch._dynamo.reset()
+    yield
+    autoweave.disable()
+    torch._dynamo.reset()
+
+
+def _train(model: nn.Module, x: torch.Tensor, steps: int = 3) -> dict:
+    fallbacks, outs = [], []
+    for _ in range(steps):
+        with capture.FallbackCounter() as watch:
+            out = model(x)
+            out.square().mean().backward()
+        fallbacks.append(watch.count)
+        outs.append(out.detach().clone())
+    grads = [p.grad.clone() for p in model.parameters()]
+    return {"fallbacks": fallbacks, "outs": outs, "grads": grads}
+
+
+def _gemms_outside_graphs(model: nn.Module, x: torch.Tensor) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x)
+    return eager_gemms(prof)[0]
+
+
+def _assert_same(got: dict, ref: dict) -> None:
+    pairs = list(zip(got["outs"] + got["grads"], ref["outs"] + ref["grads"], strict=True))
+    assert pairs
+    for a, b in pairs:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _compiled(block: nn.Module, ac: str, strategy: str = "auto", **kwargs) -> nn.Module:
+    wrapped = autoweave.set_mode(bm.with_ac(copy.deepcopy(block), ac), strategy=strategy)
+    return torch.compile(wrapped, backend=kwargs.pop("backend", "aot_eager"), **kwargs)
+
+
+@pytest.mark.parametrize("ac", ["selective", "full"])
+def test_pieces_compile_every_forward_gemm_glue_included(ac):
+    torch.manual_seed(0)
+    block, x = bm.GlueGemmBlock(DIM), torch.randn(TOKENS, DIM)
+    ref = _train(bm.with_ac(copy.deepcopy(block), ac), x)
+
+    with autoweave.disabled():
+        plain = torch.compile(bm.with_ac(copy.deepcopy(block), ac), backend="aot_eager")
+    assert _train(plain, x)["fallbacks"][0] >= 1  # plain torch: the whole block runs eager
+    assert _gemms_outside_graphs(plain, x) == GEMMS
+    torch._dynamo.reset()
+
+    pieces = _compiled(block, ac, "pieces")
+    got = _train(pieces, x)
+    assert got["fallbacks"] == [0, 0, 0]
+    assert _gemms_outside_graphs(pieces, x) == 0
+    _assert_same(got, ref)
+    plan = runtime.dispatcher_of(pieces).plan
+    assert plan.decision("").action is Action.PIECES
+    assert plan.decision("_checkpoint_wrapped_module").pieces
+
+    # push-down leaves the glue eager: the einsum combine's bmm runs outside any graph.
+    push_down = _compiled(block, ac, "push-down")
+    _assert_same(_train(push_down, x), ref)
+    assert _gemms_outside_graphs(push_down, x) == 1
+    # Under full AC, hoist reaches the same limit; pieces equals it under either mode.
+    hoist = _compiled(block, ac, "hoist")
+    _assert_same(_train(hoist, x), ref)
+    assert _gemms_outside_graphs(hoist, x) == 0
+
+
+def test_auto_is_pieces_under_selective_ac_and_hoist_under_full_ac():
+    block = bm.GlueGemmBlock(DIM)
+    assert autoweave.plan(bm.with_ac(block, "selective")).decision("").action is Action.PIECES
+    assert autoweave.plan(bm.with_ac(block, "full")).decision("").action is Action.HOIST
+
+
+def test_pieces_keep_dropout_numerics_and_nested_checkpoints():
+    torch.manual_seed(0)
+
+    class Dropping(bm.GlueGemmBlock):
+        def forward(self, x):
+            inner = torch.utils.checkpoint.checkpoint(self.norm1, x, use_reentrant=False)
+            return nn.functional.dropout(super().forward(x) + inner, 0.3, training=True)
+
+    block, x = Dropping(DIM), torch.randn(TOKENS, DIM)
+    torch.manual_seed(1)
+    ref = _train(bm.with_ac(copy.deepcopy(block), "selective"), x)
+    model = _compiled(block, "selective")
+    torch.manual_seed(1)
+    got = _train(model, x)
+    # The RNG stream and preserve_rng_state behave as in eager SAC: same masks, same numbers.
+    _assert_same(got, ref)
+    assert got["fallbacks"] == [0, 0, 0]
+
+
+class _Recorder:
+    """A selective policy that saves matmuls and records every forward decision it makes."""
+
+    def __init__(self) -> None:
+        self.decisions: Counter[tuple[str, str]] = Counter()
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        gemm = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+        decision = CheckpointPolicy.MUST_SAVE if gemm else CheckpointPolicy.PREFER_RECOMPUTE
+        if not ctx.is_recompute:
+            self.decisions[(str(op), decision.name)] += 1
+        return decision
+
+    def wrap(self, block: nn.Module) -> nn.Module:
+        return cw.checkpoint_wrapper(
+            block, context_fn=functools.partial(create_selective_checkpoint_contexts, self)
+        )
+
+
+def test_pieces_policy_decides_every_op_as_eager_sac_with_inductor():
+    torch.manual_seed(0)
+    block, x = bm.GlueGemmBlock(DIM), torch.randn(TOKENS, DIM)
+    eager = _Recorder()
+    ref_model = eager.wrap(copy.deepcopy(block))
+    ref = _train(ref_model, x, steps=1)
+    traced = _Recorder()
+    model = torch.compile(traced.wrap(copy.deepcopy(block)), backend="inductor")
+    got = _train(model, x, steps=2)
+    assert runtime.dispatcher_of(model).plan.decision("").action is Action.PIECES
+    torch.testing.assert_close(got["outs"][0], ref["outs"][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(got["grads"], ref["grads"], strict=True):
+        torch.testing.assert_close(a / 2, b, rtol=1e-5, atol=1e-6)  # two steps accumulated
+    # The policy decides on the ops it was written for (never an inductor kernel) ...
+    assert not any(op.endswith(".out") for op, _ in traced.decisions)
+    # ... for every op eager SAC decides on, glue included (the combine's bmm), with the same
+    # decision. AOTAutograd traces the block once per compile, not once per step: compare sets,
+    # and the count of each op relative to the others.
+    assert set(traced.decisions) == set(eager.decisions), set(traced.decisions) ^ set(eager.decisions)
+    assert ("aten.bmm.default", "MUST_SAVE") in traced.decisions
+    ratios = {traced.decisions[k] / eager.decisions[k] for k in eager.decisions}
+    assert len(ratios) == 1, ratios
+
+
+def test_fullgraph_splits_only_at_the_boundary():
+    torch.manual_seed(0)
+    block, x = bm.GlueGemmBlock(DIM), torch.randn(TOKENS, DIM)
+    for ac in ("none", "full", "selective"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(block) if ac == "none" else bm.with_ac(copy.deepcopy(block), ac)
+        ref = _train(copy.deepcopy(model), x)
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        got = _train(compiled, x)
+        _assert_same(got, ref)
+        assert _gemms_outside_graphs(compiled, x) == 0, ac
+        plan = runtime.dispatcher_of(compiled).plan
+        assert plan.woven and any(d.splits for d in plan.decisions), ac
+
+
+class _GlueBreak(bm.GlueGemmBlock):
+    """A break in the block's own glue, not at a boundary: fullgraph=True must still refuse it."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        torch._dynamo.graph_break()
+        return y * 2
+
+
+@pytest.mark.parametrize("ac", ["none", "full", "selective"])
+def test_fullgraph_still_raises_on_a_break_that_is_not_a_boundary(ac):
+    torch.manual_seed(0)
+    x = torch.randn(TOKENS, DIM)
+
+    def build() -> nn.Module:
+        block = _GlueBreak(DIM)
+        return block if ac == "none" else bm.with_ac(block, ac)
+
+    with autoweave.disabled():
+        plain = torch.compile(build(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        plain(x)
+    torch._dynamo.reset()
+    woven = torch.compile(build(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="graph break at .*test_pieces.py"):
+        woven(x)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        woven(x)  # and at every call after, as plain fullgraph=True does
