@@ -44,6 +44,20 @@ def _has_ops(gm: Any) -> bool:
     return any(node.op in ("call_function", "call_method", "call_module") for node in gm.graph.nodes)
 
 
+def _returns_only_tensors(gm: Any) -> bool:
+    """The checkpoint operator returns tensors: a piece returning anything else is left unwrapped."""
+    import torch
+    import torch.fx as fx
+
+    (output,) = (n for n in gm.graph.nodes if n.op == "output")
+    results = output.args[0]
+    if not isinstance(results, (tuple, list)):
+        results = (results,)
+    return all(
+        isinstance(r, fx.Node) and isinstance(r.meta.get("example_value"), torch.Tensor) for r in results
+    )
+
+
 def _mutates_a_grad_input(gm: Any, example_inputs: Any) -> bool:
     """Does the piece change, in place, an input that requires grad? (Heuristic: views not followed.)
 
@@ -91,6 +105,9 @@ class CheckpointPieces:
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         if not _has_ops(gm):
             return self.inner(gm, example_inputs)  # nothing to checkpoint
+        if not _returns_only_tensors(gm):
+            logger.info("a piece of a woven region returns non-tensors: compiled without its checkpoint")
+            return self.inner(gm, example_inputs)
         if _mutates_a_grad_input(gm, example_inputs):
             # Recomputing it would change that input a second time: compiled
             # without the checkpoint (its activations are kept), numerics intact.

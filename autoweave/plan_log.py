@@ -34,6 +34,7 @@ _VERBS = {
     Action.HOIST: "AC eager",
     Action.SIBLINGS: "AC eager around children",
     Action.PUSH_DOWN: "AC pushed down",
+    Action.PIECES: "AC in each compiled piece",
     Action.EAGER: "eager",
 }
 

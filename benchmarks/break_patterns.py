@@ -118,6 +118,8 @@ def _patterns() -> dict[str, Any]:
         "per-expert loop (.tolist())": (per_block(bm.LoopBlock), "blocks"),
         ".item() in router + loop": (per_block(bm.ItemRouterBlock), "blocks"),
         "graph_break() in experts + FSDP unit": (per_block(bm.BreakBlock, fsdp=True), "blocks"),
+        # The block's own glue holds GEMMs (an einsum combine); its experts are an FSDP unit.
+        "einsum combine in the glue + FSDP unit": (per_block(bm.GlueGemmBlock), "blocks"),
         "checkpoint in __call__ (HF layer)": (call_layer, "blocks"),
         # These checkpoint in code (full AC as written): one AC mode.
         "aliased checkpoint in forward": (code_ckpt(bm.AliasCheckpointBlock), "blocks:full"),

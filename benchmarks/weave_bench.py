@@ -57,8 +57,15 @@ VARIANTS: tuple[tuple[str, str], ...] = (
 # --strategies: autoweave with each AC placement forced (the strategy issue).
 STRATEGY_VARIANTS: tuple[tuple[str, str], ...] = (
     ("compile_ac:on:hoist", "autoweave, hoist (eager AC around a split compile)"),
+    ("compile_ac:on:pieces", "autoweave, pieces (each compiled piece checkpointed)"),
     ("compile_ac:on:push-down", "autoweave, push-down (AC inside each compiled region)"),
     ("compile_ac:on:siblings", "autoweave, siblings (eager AC around compiled children)"),
+)
+
+# --fullgraph: checkpoint_wrapper(block).compile(fullgraph=True), with and without autoweave.
+FULLGRAPH_VARIANTS: tuple[tuple[str, str], ...] = (
+    ("inplace_fullgraph:off", "block.compile(fullgraph=True), no autoweave"),
+    ("inplace_fullgraph:on", "block.compile(fullgraph=True), autoweave"),
 )
 
 # (JSON key, Markdown header): every row of the JSON has each key.
@@ -101,6 +108,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--png", type=Path, default=None, help="write a chart (needs matplotlib)")
     p.add_argument("--markdown", type=Path, default=None, help="write the Markdown table (also printed)")
     p.add_argument("--strategies", action="store_true", help="also run autoweave with each AC strategy forced")
+    p.add_argument("--fullgraph", action="store_true", help="also run block.compile(fullgraph=True)")
+    p.add_argument(
+        "--glue-gemm", action="store_true", help="MoE blocks combine with an einsum in their own forward"
+    )
     p.add_argument("--quick", action="store_true", help="tiny model, aot_eager, 1 repeat, few steps (a smoke test)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per torchrun call")
     a = p.parse_args(argv)
@@ -146,7 +157,7 @@ def run_repeat(order: list[str], a: argparse.Namespace, index: int) -> tuple[dic
             "--steps", str(a.steps), "--timing-steps", str(a.timing_steps),
             "--layers", str(a.layers), "--dim", str(a.dim),
             "--out", str(out),
-        ]  # fmt: skip
+        ] + (["--glue-gemm"] if a.glue_gemm else [])  # fmt: skip
         start = time.perf_counter()
         problem = None
         try:
@@ -211,7 +222,7 @@ def aggregate(runs: list[dict[str, dict[str, Any]]], variants: list[str]) -> lis
         errors = [f"repeat {i + 1}: {r['error']}" for i, r in enumerate(recs) if "error" in r]
         row: dict[str, Any] = dict.fromkeys(COLUMN_KEYS)
         row["variant"] = variant
-        row["label"] = dict(VARIANTS + STRATEGY_VARIANTS).get(variant, variant)
+        row["label"] = dict(VARIANTS + STRATEGY_VARIANTS + FULLGRAPH_VARIANTS).get(variant, variant)
         row["error"] = None if ok else (recs[0]["error"] if recs else "not run")
         row["repeat_errors"] = errors
         row["repeats_ok"] = len(ok)
@@ -383,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     variants = [v for v, _ in VARIANTS]
     if a.strategies:
         variants += [v for v, _ in STRATEGY_VARIANTS]
+    if a.fullgraph:
+        variants += [v for v, _ in FULLGRAPH_VARIANTS]
     aw_env = {k: v for k, v in os.environ.items() if k.startswith("AUTOWEAVE")}
     if aw_env:
         log(f"note: running with {aw_env} set; they apply to the autoweave variant")

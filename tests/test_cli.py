@@ -49,7 +49,7 @@ def test_explain_python_api_builds_on_meta_and_folds() -> None:
     text = autoweave.explain(lambda: module.Transformer(module.ModelArgs(n_layers=32)))
     assert "  layers.2-31 (30 × TransformerBlock): same plan as layers.1" in text
     selective = autoweave.explain(lambda: module.Transformer(module.ModelArgs()), ac="selective")
-    assert "AC pushed down: selective AC moved into each compiled region below" in selective
+    assert "AC in each compiled piece: selective AC moved into each compiled piece below" in selective
 
 
 def test_explain_with_a_user_recipe() -> None:

@@ -64,6 +64,12 @@ def test_settings_report_variable() -> None:
     assert bad.report is None and bad.problems[0].startswith("AUTOWEAVE_REPORT=")
 
 
+def test_every_action_has_a_verb_in_the_plan_log() -> None:
+    from autoweave.planner import Action
+
+    assert set(plan_log._VERBS) == set(Action)
+
+
 def test_plan_log_folds_blocks_and_names_them(weave_on, caplog) -> None:
     torch.manual_seed(0)
     model = Stack()

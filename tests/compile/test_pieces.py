@@ -212,3 +212,38 @@ def test_fullgraph_still_raises_on_a_break_that_is_not_a_boundary(ac):
         woven(x)
     with pytest.raises(torch._dynamo.exc.Unsupported):
         woven(x)  # and at every call after, as plain fullgraph=True does
+
+
+def _checkpointed_graphs(fn, *args) -> list[bool]:
+    """Compile ``fn`` through ``CheckpointPieces``: for each piece, did it reach the backend wrapped?"""
+    from torch.utils.checkpoint import checkpoint
+
+    from autoweave.pieces import CheckpointPieces
+
+    wrapped = []
+
+    def inner(gm, example_inputs):
+        wrapped.append(any("tag_activation_checkpoint" in str(n.target) for n in gm.graph.nodes))
+        return gm.forward
+
+    pieces = CheckpointPieces(inner, functools.partial(checkpoint, use_reentrant=False))
+    torch.compile(fn, backend=pieces)(*args)
+    return wrapped
+
+
+def test_each_piece_is_wrapped_in_the_checkpoint_operator_unless_that_would_be_wrong():
+    x = torch.randn(4, requires_grad=True)
+
+    def two_pieces(t):
+        y = t.sin() * 2
+        torch._dynamo.graph_break()
+        return y.cos()
+
+    assert _checkpointed_graphs(two_pieces, x) == [True, True]
+
+    def mutates_its_input(t):
+        t.mul_(2)  # recomputing this piece would change its input twice
+        return t.sin()
+
+    torch._dynamo.reset()
+    assert _checkpointed_graphs(mutates_its_input, x.clone()) == [False]
