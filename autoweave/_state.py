@@ -3,8 +3,9 @@
 Installed things (patches, import hooks, log handlers, dynamo callbacks) belong
 to whoever installs them and are undone by uninstalling. Everything else a run
 accumulates lives on ``run``: the tree-change counter, warnings already given,
-graph breaks learned, shared compiled regions, recorded plans, the structured
-trace's regions and the live dispatchers. ``reset()`` forgets it all (tests, and
+graph breaks learned, shared compiled regions, recorded plans, the labels the report
+counts plain compiles under, the structured trace's regions and the live
+dispatchers. ``reset()`` forgets it all (tests, and
 a process that wants to start over), in place, so modules holding ``run`` keep
 seeing the current state.
 """
@@ -33,6 +34,9 @@ class RunState:
         self.summary_pending = False
         # _trace: region label -> what its structured-trace artifact says.
         self.trace_regions: dict[str, dict[str, Any]] = {}
+        # report: the label each plain compile autoweave routed is counted under.
+        self.plain_labels: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self.plain_count = 0
         # runtime: every dispatcher alive, told to re-plan when another learns a break.
         self.live: weakref.WeakSet[Any] = weakref.WeakSet()
 

@@ -20,13 +20,13 @@ import re
 import sys
 import threading
 import time
-import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from autoweave import _trace, _where, capture, plan_log
 from autoweave._log import logger, rank, world_size
+from autoweave._state import run
 
 # -- the report: counting what compiled ---------------------------------------------------
 
@@ -274,12 +274,11 @@ class _Stats:
 
 _stats: _Stats | None = None
 _lock = threading.RLock()
-_plain_labels: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def plain_label(module: Any) -> str | None:
     """The label under which a plain (not woven) compile of ``module`` is counted."""
-    return _plain_labels.get(module)
+    return run.plain_labels.get(module)
 
 
 def on_woven_around(fallbacks: int) -> None:
@@ -293,9 +292,6 @@ def on_plan(entry: plan_log.Entry) -> None:
     """A ``plan_log`` listener: name the regions of a recorded plan in the report."""
     if _stats is not None:
         _stats.name_regions(entry)
-
-
-_plain_count = 0
 
 
 def start(path: str | None = None) -> None:
@@ -341,14 +337,13 @@ def instrument(kwargs: dict[str, Any], label: str, kind: str = "woven") -> dict[
 
 def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Kwargs for the plain compile of ``module`` that autoweave routes (counted when reporting)."""
-    global _plain_count
     if _stats is None:
         return kwargs
     with _lock:
-        _plain_count += 1
-        label = f"plain_{type(module).__name__}_{_plain_count}"
+        run.plain_count += 1
+        label = f"plain_{type(module).__name__}_{run.plain_count}"
     try:
-        _plain_labels[module] = label
+        run.plain_labels[module] = label
     except TypeError:
         return kwargs
     return instrument(kwargs, label, kind="plain")
