@@ -48,13 +48,7 @@ def _load(name: str) -> Any:
 bm = _load("break_models")
 
 
-def _noop(module: nn.Module, args: tuple) -> None:
-    return None
-
-
-def _fsdp_like(module: nn.Module) -> nn.Module:
-    module.register_forward_pre_hook(torch.compiler.disable(_noop))
-    return module
+_fsdp_like = bm.fsdp_like
 
 
 _ac = bm.with_ac

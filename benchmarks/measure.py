@@ -40,6 +40,15 @@ def eager_gemms(profile: Any) -> tuple[int, int]:
     return outside, inside
 
 
+def forward_gemms_outside_graphs(model: Any, *args: Any) -> int:
+    """GEMMs one forward of ``model`` runs outside compiled graphs (profiled on the CPU)."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(*args)
+    return eager_gemms(prof)[0]
+
+
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)

@@ -217,7 +217,7 @@ def _skip(module: nn.Module, args: tuple) -> None:
     return None
 
 
-def _fsdp_like(module: nn.Module) -> nn.Module:
+def fsdp_like(module: nn.Module) -> nn.Module:
     """A ``torch.compiler.disable``d pre-hook, as ``fully_shard`` gives a unit: a real graph break."""
     module.register_forward_pre_hook(torch.compiler.disable(_skip))
     return module
@@ -251,7 +251,7 @@ class GlueGemmBlock(nn.Module):
         self.router = nn.Linear(dim, n)
         self.experts = StackedExperts(dim, n)
         if fsdp:
-            _fsdp_like(self.experts)
+            fsdp_like(self.experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + torch.tanh(self.attn(self.norm1(x)))

@@ -8,16 +8,10 @@ import torch
 import torch.nn as nn
 
 from autoweave import capture
+from tests.break_models import fsdp_like
 
-
-def _noop(module: nn.Module, args: tuple) -> None:
-    return None
-
-
-def make_break(module: nn.Module) -> nn.Module:
-    """Give ``module`` a torch.compiler.disable'd hook, as fully_shard does: a real graph break."""
-    module.register_forward_pre_hook(torch.compiler.disable(_noop))
-    return module
+# A torch.compiler.disable'd pre-hook, as fully_shard gives a unit: a real graph break.
+make_break = fsdp_like
 
 
 class Experts(nn.Module):

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 import autoweave
 from autoweave import _state, capture, checkpoints, planner, runtime
 from autoweave.planner import Action
-from benchmarks.measure import eager_gemms
+from benchmarks.measure import forward_gemms_outside_graphs as _eager_gemms
 from tests import break_models as bm
 from tests.models import make_break
 
@@ -56,12 +56,6 @@ def _train(model: nn.Module, x: torch.Tensor, steps: int = 3) -> dict:
         )
         model.zero_grad()
     return {"fallbacks": fallbacks, "outs": outs, "grads": grads}
-
-
-def _eager_gemms(model: nn.Module, x: torch.Tensor) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        model(x)
-    return eager_gemms(prof)[0]
 
 
 def _assert_numerics(got: dict, ref: dict) -> None:

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 import autoweave
 from autoweave import _state, capture, runtime
 from autoweave.planner import Action
-from benchmarks.measure import eager_gemms
+from benchmarks.measure import forward_gemms_outside_graphs as _gemms_outside_graphs
 from tests import break_models as bm
 
 DIM, TOKENS = 16, 12
@@ -50,12 +50,6 @@ def _train(model: nn.Module, x: torch.Tensor, steps: int = 3) -> dict:
         outs.append(out.detach().clone())
     grads = [p.grad.clone() for p in model.parameters()]
     return {"fallbacks": fallbacks, "outs": outs, "grads": grads}
-
-
-def _gemms_outside_graphs(model: nn.Module, x: torch.Tensor) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        model(x)
-    return eager_gemms(prof)[0]
 
 
 def _assert_same(got: dict, ref: dict) -> None:
