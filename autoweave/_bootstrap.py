@@ -5,6 +5,7 @@ patches) are imported by the hooks, when torch itself is imported.
 """
 
 import _thread
+import os
 import sys
 
 from _autoweave_start import CHECKPOINT_WRAPPER_MODULE, TORCH, _warn
@@ -20,6 +21,8 @@ _problems_reported = False
 # Why autoweave stays off in this process (a missing dependency, an unsupported
 # torch), once found: told once, and the other hook does not try again.
 _off_reason: "str | None" = None
+# The dependencies and torch were found usable (checked once: the self-check costs seconds).
+_usable = False
 
 # The packages the patches import, with the pip requirement that fixes their absence.
 DEPENDENCIES = (("wrapt", "wrapt>=1.14,!=2.2.0"),)
@@ -35,6 +38,8 @@ def _prepare(current: Settings) -> None:
     if _problems_reported:
         return
     _problems_reported = True
+    if is_launcher() or not _tells_the_job():
+        return  # the same settings reach every rank: told once per job, never by torchrun's launcher
     for problem in current.problems:
         _warn(problem)
 
@@ -90,6 +95,30 @@ def uninstall() -> None:
             patches.revert_all()
 
 
+# How torchrun's launcher runs: the ``torchrun`` script, or ``python -m`` one of these.
+# It inherits AUTOWEAVE and imports torch, but never compiles: autoweave stays out of it.
+_LAUNCHER_SCRIPTS = ("torchrun",)
+_LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def is_launcher(argv: "list[str] | None" = None, orig_argv: "list[str] | None" = None) -> bool:
+    """Is this process torchrun's launcher (not one of its workers)?"""
+    argv = sys.argv if argv is None else argv
+    orig_argv = list(getattr(sys, "orig_argv", ())) if orig_argv is None else orig_argv
+    if argv and os.path.basename(argv[0]) in _LAUNCHER_SCRIPTS:
+        return True
+    # ``python -m torch.distributed.run``: while torch imports, sys.argv[0] is still "-m".
+    for i, arg in enumerate(orig_argv[:-1]):
+        if arg == "-m":
+            return orig_argv[i + 1] in _LAUNCHER_MODULES
+    return False
+
+
+def _tells_the_job() -> bool:
+    """Start-up notices (not problems) are told once per job: by global rank 0, or a lone process."""
+    return os.environ.get("RANK", "0").strip() in ("", "0")
+
+
 def _environment_problem(torch_module: "Any") -> "str | None":
     # Not internal errors: the environment lacks something, so the message names
     # it and the fix, and no traceback is needed.
@@ -108,22 +137,36 @@ def _environment_problem(torch_module: "Any") -> "str | None":
     from autoweave import _compat
 
     try:
-        _compat.check_torch_version(str(version))
-    except _compat.UnsupportedTorch as exc:
+        support = _compat.torch_support(str(version), untested=_settings.current().untested_torch)
+    except _compat.UnsupportedTorch as exc:  # an unreadable version
         return f"[unsupported-torch] {exc}"
+    if not support.on:
+        return f"[{support.tag}] {support.message}"
+    if support.message and _tells_the_job():
+        _warn(f"[{support.tag}] {support.message}")  # on, on an untested torch: one notice
     return None
 
 
 def _can_patch(torch_module: "Any") -> bool:
     """Are the dependencies and torch usable? Says why not, once per process."""
-    global _off_reason
+    global _off_reason, _usable
     with _lock:
+        if _off_reason is None and is_launcher():
+            # torchrun's launcher never compiles: no patches, no messages, no report.
+            _off_reason = "torchrun's launcher process: autoweave stays out of it"
+            return False
+        if _usable:
+            return True
         if _off_reason is None:
             problem = _environment_problem(torch_module)
             if problem is None:
+                # Decided once torch's version is known (the checkpoint_wrapper hook
+                # can fire while torch is still importing, before it is).
+                _usable = getattr(torch_module, "__version__", None) is not None
                 return True
             _off_reason = problem
-            _warn(problem)
+            if _tells_the_job() or problem.startswith("[missing-dependency]"):
+                _warn(problem)  # the torch verdict is the same on every rank: told once per job
         return False
 
 

@@ -10,9 +10,16 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_TORCH = ((2, 11), (2, 14))  # inclusive range of (major, minor)
+# The torch releases autoweave is tested on, inclusive, as (major, minor). An older
+# torch turns it off. A newer one is checked name by name at start-up
+# (``self_check``): it turns on when everything below is there (with one notice
+# naming the untested version), and stays off naming what is missing otherwise.
+# ``AUTOWEAVE_UNTESTED_TORCH=off`` keeps the strict behaviour (off on any newer torch).
+TESTED_TORCH = ((2, 11), (2, 15))
 
 
 class UnsupportedTorch(RuntimeError):
@@ -30,21 +37,86 @@ def torch_version(raw: str | None = None) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def check_torch_version(raw: str | None = None) -> None:
-    """Raise ``UnsupportedTorch`` with the accepted range when torch is outside it."""
-    version = torch_version(raw)
-    low, high = SUPPORTED_TORCH
-    if not low <= version <= high:
-        found = raw
-        if found is None:
-            import torch
+def _tested() -> str:
+    low, high = TESTED_TORCH
+    return f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
 
-            found = torch.__version__
-        raise UnsupportedTorch(
-            f"torch {found} is not supported (autoweave supports torch "
-            f"{low[0]}.{low[1]} to {high[0]}.{high[1]}); staying off. "
-            "Install a supported torch or unset AUTOWEAVE."
+
+@dataclass(frozen=True)
+class TorchSupport:
+    """What autoweave makes of the installed torch (``torch_support``)."""
+
+    version: str
+    on: bool
+    untested: bool  # newer than the newest tested release
+    missing: tuple[str, ...] = ()  # what ``self_check`` did not find (untested torch only)
+    message: str = ""  # the one line to tell the user; empty for a tested torch
+
+    @property
+    def tag(self) -> str:
+        return "untested-torch" if self.on else "unsupported-torch"
+
+
+def torch_support(
+    raw: str | None = None, *, untested: str = "check", check: Callable[[], list[str]] | None = None
+) -> TorchSupport:
+    """Decide whether autoweave runs on torch ``raw`` (default: the installed one).
+
+    ``untested`` is the ``AUTOWEAVE_UNTESTED_TORCH`` policy: ``check`` (run
+    ``check``, default ``self_check``, on a torch newer than tested) or ``off``.
+    """
+    if raw is None:
+        import torch
+
+        raw = str(torch.__version__)
+    version = torch_version(raw)
+    low, high = TESTED_TORCH
+    if version < low:
+        return TorchSupport(
+            raw,
+            on=False,
+            untested=False,
+            message=f"torch {raw} is not supported (autoweave supports torch {_tested()}); staying off. "
+            f"Install torch>={low[0]}.{low[1]} or unset AUTOWEAVE.",
         )
+    if version <= high:
+        return TorchSupport(raw, on=True, untested=False)
+    newest = f"{high[0]}.{high[1]}"
+    if untested == "off":
+        return TorchSupport(
+            raw,
+            on=False,
+            untested=True,
+            message=f"torch {raw} is newer than the newest tested ({newest}) and "
+            "AUTOWEAVE_UNTESTED_TORCH=off; staying off. Unset AUTOWEAVE_UNTESTED_TORCH to let autoweave "
+            "check what it needs from this torch, or install a tested torch.",
+        )
+    missing = tuple((check or _self_check_once)())
+    if missing:
+        return TorchSupport(
+            raw,
+            on=False,
+            untested=True,
+            missing=missing,
+            message=f"torch {raw} is newer than the newest tested ({newest}) and lacks what autoweave "
+            f"needs: {', '.join(missing)}; staying off, torch runs unpatched. "
+            f"Install a tested torch ({_tested()}) or unset AUTOWEAVE.",
+        )
+    return TorchSupport(
+        raw,
+        on=True,
+        untested=True,
+        message=f"torch {raw} is newer than the newest tested ({newest}); everything autoweave needs from "
+        "it is there, so autoweave is on. AUTOWEAVE_UNTESTED_TORCH=off keeps it off on untested torch.",
+    )
+
+
+def check_torch_version(raw: str | None = None, *, untested: str = "check") -> TorchSupport:
+    """``torch_support``, raising ``UnsupportedTorch`` (with the message) when autoweave must stay off."""
+    support = torch_support(raw, untested=untested)
+    if not support.on:
+        raise UnsupportedTorch(support.message)
+    return support
 
 
 def _first(*paths: str) -> Any:
@@ -256,3 +328,152 @@ def code_being_compiled() -> Any:
             return code if isinstance(code, types.CodeType) else None
         frame = frame.f_back
     return None
+
+
+# -- dynamo's log signals -----------------------------------------------------------------
+#
+# dynamo tells what autoweave must react to only in log records; each string is
+# matched against what torch 2.11-2.15 log. No public API carries these yet: a
+# structured "region fell back" event would retire them (pytorch/pytorch#135816
+# tracks checkpointed regions falling back to eager).
+
+# "<checkpoint> ... will fall back to eager-mode PyTorch": a traced checkpoint gave up.
+FALLBACK_LOGGER = "torch._dynamo.variables.higher_order_ops"
+FALLBACK_NEEDLE = "fall back to eager-mode PyTorch"
+# dynamo's warning when a frame's cache is full and it runs eager from then on.
+RECOMPILE_LIMIT_LOGGER = "torch._dynamo.convert_frame"
+RECOMPILE_LIMIT_NEEDLE = "hit config."
+# dynamo's graph-break artifact logger (``getArtifactLogger(__name__, "graph_breaks")``
+# in torch/_dynamo/symbolic_convert.py); one record per graph break, with the user stack.
+GRAPH_BREAK_LOGGER = "torch._dynamo.symbolic_convert.__graph_breaks"
+# The note dynamo adds to a break raised inside a checkpoint's body.
+HOP_CHECKPOINT_NOTE = "Higher Order Operator: torch.utils.checkpoint"
+# The metadata key on a checkpoint body's GraphModule that carries the selective-AC policy,
+# read by ``tag_activation_checkpoint``'s implementation (torch/_higher_order_ops/wrap.py).
+CHECKPOINT_CONTEXT_FN_KEY = "_checkpoint_context_fn"
+
+
+# -- what autoweave needs from torch, checked on a torch newer than tested ---------------
+
+
+def _source_has(module_name: str, *needles: str) -> bool:
+    import importlib
+
+    module = importlib.import_module(module_name)
+    text = inspect.getsource(module)
+    return all(needle in text for needle in needles)
+
+
+def _init_names(cls: type, *names: str) -> bool:
+    """Do the ``__init__``s of ``cls`` and its bases set (or read) every attribute in ``names``?"""
+    seen: set[str] = set()
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        code = getattr(inspect.unwrap(init), "__code__", None) if init is not None else None
+        if code is not None:
+            seen.update(code.co_names)
+    return all(name in seen for name in names)
+
+
+def _fsdp2_state() -> bool:
+    import importlib
+
+    for name in FSDP2_STATE_MODULES:
+        try:
+            state = importlib.import_module(name).FSDPState
+        except (ImportError, AttributeError):
+            continue
+        return all(callable(getattr(state, attr, None)) for attr in ("init", "_pre_forward", "_post_forward"))
+    return False
+
+
+def _compile_code_argument() -> bool:
+    code = _dynamo_compile_code()
+    return code is not None and "code" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+
+
+def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
+    """(what, probe) for every torch name autoweave relies on; a probe is truthy when it is there."""
+    import torch
+
+    def has(path: str) -> Callable[[], bool]:
+        return lambda: _first(path) is not None
+
+    return (
+        ("torch._dynamo.eval_frame.OptimizedModule", optimized_module),
+        ("OptimizedModule._orig_mod", lambda: _init_names(optimized_module(), "_orig_mod")),
+        ("torch.nn.Module._compiled_call_impl", lambda: "_compiled_call_impl" in vars(torch.nn.Module)),
+        (
+            "torch.nn.Module._forward_pre_hooks/_forward_hooks",
+            lambda: {"_forward_pre_hooks", "_forward_hooks"} <= set(vars(torch.nn.Module())),
+        ),
+        ("CheckpointWrapper", checkpoint_wrapper_class),
+        (
+            "CheckpointWrapper._checkpoint_wrapped_module/checkpoint_fn",
+            lambda: _init_names(checkpoint_wrapper_class(), "_checkpoint_wrapped_module", "checkpoint_fn"),
+        ),
+        ("torch._higher_order_ops.wrap.tag_activation_checkpoint", tag_activation_checkpoint),
+        (
+            f"the checkpoint operator's {CHECKPOINT_CONTEXT_FN_KEY!r} key",
+            lambda: _source_has("torch._higher_order_ops.wrap", CHECKPOINT_CONTEXT_FN_KEY),
+        ),
+        ("torch._dynamo.exc.Unsupported", has("torch._dynamo.exc.Unsupported")),
+        ("torch._dynamo.disable", has("torch._dynamo.disable")),
+        ("torch._dynamo.reset_code", has("torch._dynamo.reset_code")),
+        ("torch._dynamo.utils.counters", has("torch._dynamo.utils.counters")),
+        (
+            "torch._dynamo.backends.registry.lookup_backend",
+            has("torch._dynamo.backends.registry.lookup_backend"),
+        ),
+        ("torch._TorchCompileInductorWrapper", has("torch._TorchCompileInductorWrapper")),
+        ("torch._TorchCompileWrapper", has("torch._TorchCompileWrapper")),
+        ("torch._dynamo.callback.callback_handler", has("torch._dynamo.callback.callback_handler")),
+        ("torch._dynamo.convert_frame._compile(code, ...)", _compile_code_argument),
+        (
+            "torch.nn.modules.module.register_module_module_registration_hook",
+            has("torch.nn.modules.module.register_module_module_registration_hook"),
+        ),
+        ("FSDP2's FSDPState.init/_pre_forward/_post_forward", _fsdp2_state),
+        ("torch._logging._internal (log registry)", torch_logging_internal),
+        (
+            f"dynamo's fallback message {FALLBACK_NEEDLE!r}",
+            lambda: _source_has("torch._dynamo.variables.higher_order_ops", FALLBACK_NEEDLE),
+        ),
+        (
+            f"dynamo's recompile-limit message {RECOMPILE_LIMIT_NEEDLE!r}",
+            lambda: _source_has("torch._dynamo.convert_frame", RECOMPILE_LIMIT_NEEDLE),
+        ),
+        (
+            "dynamo's graph_breaks log artifact",
+            lambda: _source_has("torch._dynamo.symbolic_convert", '"graph_breaks"'),
+        ),
+    )
+
+
+def _self_check_once() -> list[str]:
+    # The installed torch does not change within a process; the check imports dynamo.
+    global _self_check_result
+    if _self_check_result is None:
+        _self_check_result = self_check()
+    return list(_self_check_result)
+
+
+_self_check_result: list[str] | None = None
+
+
+def self_check() -> list[str]:
+    """What autoweave needs from the installed torch and cannot find (empty: all there).
+
+    Run on a torch newer than ``TESTED_TORCH`` before anything is patched: a
+    release that moved one of these names leaves autoweave off, naming it,
+    instead of failing deep inside a patch.
+    """
+    missing = []
+    for what, probe in _needs():
+        try:
+            ok = probe()
+        except Exception:  # a moved module, a changed signature: that name is missing
+            ok = False
+        if not ok:
+            missing.append(what)
+    return missing

@@ -22,6 +22,7 @@ AUTOWEAVE_STRICT = "AUTOWEAVE_STRICT"
 AUTOWEAVE_MODE = "AUTOWEAVE_MODE"
 AUTOWEAVE_STRATEGY = "AUTOWEAVE_STRATEGY"
 AUTOWEAVE_REPORT = "AUTOWEAVE_REPORT"
+AUTOWEAVE_UNTESTED_TORCH = "AUTOWEAVE_UNTESTED_TORCH"
 
 VARIABLES: dict[str, str] = {
     AUTOWEAVE: "turn autoweave on for this process and its children",
@@ -32,6 +33,7 @@ VARIABLES: dict[str, str] = {
     AUTOWEAVE_MODE: "when to weave: auto, always or off",
     AUTOWEAVE_STRATEGY: "how to place AC in a woven block: auto, hoist, pieces, push-down, siblings",
     AUTOWEAVE_REPORT: "write a JSON report of the plan and what compiled to this path at exit",
+    AUTOWEAVE_UNTESTED_TORCH: "on a torch newer than tested: check (on if all it needs is there) or off",
 }
 
 TRUE_VALUES = ("1", "true", "yes", "on")
@@ -40,6 +42,7 @@ PATCH_NAMES = ("compile", "module_compile", "checkpoint_wrapper")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MODES = ("auto", "always", "off")
 STRATEGIES = ("auto", "hoist", "pieces", "push-down", "siblings")
+UNTESTED_TORCH = ("check", "off")
 
 
 class Settings:
@@ -58,6 +61,7 @@ class Settings:
         "strategy",
         "problems",
         "report",
+        "untested_torch",
     )
 
     enabled: bool
@@ -71,6 +75,8 @@ class Settings:
     problems: tuple[str, ...]
     # Path template of the JSON report written at exit ("{rank}" is replaced), or None.
     report: str | None
+    # On a torch newer than tested: "check" what autoweave needs (on if all there) or stay "off".
+    untested_torch: str
 
     def __init__(
         self,
@@ -82,10 +88,11 @@ class Settings:
         strategy: str = "auto",
         problems: tuple[str, ...] = (),
         report: str | None = None,
+        untested_torch: str = "check",
     ) -> None:
         for name, value in zip(
             self.__slots__,
-            (enabled, disabled_patches, log_level, strict, mode, strategy, problems, report),
+            (enabled, disabled_patches, log_level, strict, mode, strategy, problems, report, untested_torch),
             strict=True,
         ):
             object.__setattr__(self, name, value)
@@ -183,6 +190,7 @@ class Settings:
             strategy=choice(AUTOWEAVE_STRATEGY, STRATEGIES, "auto") or "auto",
             problems=tuple(problems),
             report=report,
+            untested_torch=choice(AUTOWEAVE_UNTESTED_TORCH, UNTESTED_TORCH, "check") or "check",
         )
 
 

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from autoweave import _settings
+from autoweave._version import DISTRIBUTION
 
 START_UP_FILES = ("autoweave.pth", "autoweave.start")
 OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
@@ -24,8 +25,10 @@ _LIVE_CHECK = (
     "out = {'executable': sys.executable}\n"
     "try:\n"
     "    import torch, autoweave, autoweave.patches as p\n"
+    "    from autoweave import _bootstrap\n"
     "    out.update(patched=isinstance(torch.compile, p.AutoweaveWrapper), applied=p.applied(),\n"
-    "               autoweave=autoweave.__file__, torch=torch.__version__)\n"
+    "               autoweave=autoweave.__file__, torch=torch.__version__,\n"
+    "               off_reason=_bootstrap.off_reason())\n"
     "except Exception as exc:\n"
     "    out.update(patched=False, error=f'{type(exc).__name__}: {exc}')\n"
     "print('AUTOWEAVE-DOCTOR ' + json.dumps(out))\n"
@@ -57,29 +60,49 @@ def _tuple(raw: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def check_torch(version: str | None) -> Check:
-    """The installed torch against ``_compat.SUPPORTED_TORCH``, the range the start-up check enforces.
+def check_torch(version: str | None, untested: str | None = None) -> Check:
+    """The installed torch against ``_compat.TESTED_TORCH``, as the start-up check judges it.
 
-    pyproject only sets a lower bound (pip must not replace a newer torch), so
-    this check and the one at start-up are what say a torch is too new.
+    pyproject only sets a lower bound (pip must not replace a newer torch). On a
+    torch newer than tested, autoweave checks at start-up what it needs from it;
+    the live check below runs that check in a fresh interpreter.
     """
     from autoweave import _compat
 
-    low, high = _compat.SUPPORTED_TORCH
-    supported = f"supported: {low[0]}.{low[1]} to {high[0]}.{high[1]}"
+    low, high = _compat.TESTED_TORCH
+    tested = f"tested: {low[0]}.{low[1]} to {high[0]}.{high[1]}"
     requirement = f"pip install 'torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}'"
     if version is None:
-        return Check(FAIL, "torch is not installed", supported, requirement)
+        return Check(FAIL, "torch is not installed", tested, requirement)
+    if untested is None:
+        untested = _settings.Settings.from_environ().untested_torch
     try:
-        _compat.check_torch_version(version)
-    except _compat.UnsupportedTorch:
+        version_tuple = _compat.torch_version(version)
+    except _compat.UnsupportedTorch as exc:
+        return Check(FAIL, f"torch {version}", str(exc), requirement)
+    if version_tuple < low:
         return Check(
             FAIL,
             f"torch {version}",
-            f"{supported}; with AUTOWEAVE=1 autoweave says so at start-up and stays off",
+            f"{tested}; with AUTOWEAVE=1 autoweave says so at start-up and stays off",
             f"install a supported torch ({requirement}), or unset AUTOWEAVE",
         )
-    return Check(OK, f"torch {version}", supported)
+    if version_tuple > high:
+        if untested == "off":
+            return Check(
+                FAIL,
+                f"torch {version} (newer than tested)",
+                f"{tested}; {_settings.AUTOWEAVE_UNTESTED_TORCH}=off keeps autoweave off on it",
+                f"unset {_settings.AUTOWEAVE_UNTESTED_TORCH} to let autoweave check this torch, "
+                f"or {requirement}",
+            )
+        return Check(
+            WARN,
+            f"torch {version} (newer than tested)",
+            f"{tested}; at start-up autoweave checks what it needs from this torch "
+            "(the live check shows the verdict)",
+        )
+    return Check(OK, f"torch {version}", tested)
 
 
 def check_versions() -> list[Check]:
@@ -169,7 +192,7 @@ def check_start_up_file() -> tuple[list[Check], bool]:
                     FAIL,
                     f"start-up file in the user site, which is off: {path}",
                     "PYTHONNOUSERSITE or -s disables it",
-                    "unset PYTHONNOUSERSITE / drop -s, or pip install autoweave into the environment",
+                    f"unset PYTHONNOUSERSITE / drop -s, or pip install {DISTRIBUTION} into the environment",
                 )
             )
             continue
@@ -181,7 +204,7 @@ def check_start_up_file() -> tuple[list[Check], bool]:
                     FAIL,
                     f"start-up file is not autoweave's: {path}",
                     "",
-                    "pip install --force-reinstall autoweave",
+                    f"pip install --force-reinstall {DISTRIBUTION}",
                 )
             )
             continue
@@ -193,11 +216,47 @@ def check_start_up_file() -> tuple[list[Check], bool]:
                 WARN,
                 "no start-up file (autoweave.pth) in any site-packages of this Python",
                 "searched: " + ", ".join(d for d, _ in site_dirs()),
-                "pip install autoweave into this environment, "
+                f"pip install {DISTRIBUTION} into this environment, "
                 "or run with PYTHONPATH=<checkout>/sitecustomize, or use `autoweave-run <command>`",
             )
         )
     return checks, usable
+
+
+def other_distributions(path: list[str] | None = None) -> list[tuple[str, str]]:
+    """(name, version) of installed distributions other than ours that ship an ``autoweave`` package.
+
+    PyPI's ``autoweave`` is an unrelated project with a top-level ``autoweave/``:
+    installed beside ours, one overwrites the other's files.
+    """
+    from importlib.metadata import distributions
+
+    found = {}
+    for dist in distributions(**({} if path is None else {"path": path})):
+        name = dist.metadata.get("Name") or ""
+        if name.lower().replace("_", "-") == DISTRIBUTION:
+            continue
+        top = (dist.read_text("top_level.txt") or "").split()
+        files = [str(f) for f in (dist.files or ())]
+        if "autoweave" in top or any(f.startswith("autoweave/") for f in files):
+            found[name] = dist.version
+    return sorted(found.items())
+
+
+def check_other_distributions(path: list[str] | None = None) -> list[Check]:
+    try:
+        others = other_distributions(path)
+    except Exception as exc:  # unreadable metadata must not stop the doctor
+        return [Check(INFO, "installed distributions could not be read", repr(exc))]
+    return [
+        Check(
+            FAIL,
+            f"another distribution owns the autoweave import package: {name} {version}",
+            f"it is not this autoweave ({DISTRIBUTION}); installed together, one overwrites the other's files",
+            f"pip uninstall {name} && pip install --force-reinstall {DISTRIBUTION}",
+        )
+        for name, version in others
+    ]
 
 
 def check_sitecustomize() -> tuple[Check, bool]:
@@ -257,7 +316,7 @@ def check_settings(environ: dict[str, str] | None = None) -> list[Check]:
     return checks
 
 
-def live_check(timeout: float = 180.0) -> Check:
+def live_check(timeout: float = 180.0, start_up_found: bool = False) -> Check:
     """Start a fresh interpreter with ``AUTOWEAVE=1``: is torch.compile patched there?"""
     env = {**os.environ, _settings.AUTOWEAVE: "1"}
     try:
@@ -284,14 +343,31 @@ def live_check(timeout: float = 180.0) -> Check:
             "live check: a fresh python with AUTOWEAVE=1 has torch.compile patched",
             f"patches {', '.join(result.get('applied', []))}; autoweave from {result.get('autoweave')}",
         )
-    why = result.get("error") or "torch.compile is not autoweave's wrapper"
+    off_reason = result.get("off_reason")
+    why = result.get("error") or off_reason or "torch.compile is not autoweave's wrapper"
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("autoweave:")]
     return Check(
         FAIL,
         "live check: a fresh python with AUTOWEAVE=1 is NOT patched",
-        "; ".join([why, *warnings[:3]]),
-        "install autoweave's start-up file (pip install autoweave), "
-        "or run with PYTHONPATH=<checkout>/sitecustomize",
+        "; ".join(dict.fromkeys([why, *warnings[:3]])),
+        _live_fix(result, start_up_found),
+    )
+
+
+def _live_fix(result: dict, start_up_found: bool) -> str:
+    """The fix for a fresh interpreter that is not patched: its real cause, not a guess."""
+    off_reason = result.get("off_reason") or ""
+    if "[unsupported-torch]" in off_reason or "[missing-dependency]" in off_reason:
+        # autoweave started and said why it stays off: that sentence carries its own fix.
+        fix = off_reason.split("Fix: ", 1)[-1] if "Fix: " in off_reason else off_reason.rsplit(". ", 1)[-1]
+        return fix.strip().rstrip(".")
+    if result.get("error"):
+        return f"the fresh interpreter could not import torch or autoweave; pip install {DISTRIBUTION}"
+    if start_up_found:
+        return "the start-up file is present but did not patch: run with AUTOWEAVE_LOG_LEVEL=debug to see why"
+    return (
+        f"install autoweave's start-up file (pip install {DISTRIBUTION}), "
+        "or run with PYTHONPATH=<checkout>/sitecustomize"
     )
 
 
@@ -308,8 +384,9 @@ def run(*, live: bool = True) -> tuple[list[Check], bool]:
                 check.detail += "; autoweave's sitecustomize shell starts it instead"
     checks.append(shell)
     checks += check_settings()
+    checks += check_other_distributions()
     if live:
-        checks.append(live_check())
+        checks.append(live_check(start_up_found=usable or shell_ours))
     failed = any(c.status == FAIL for c in checks)
     if not live and not (usable or shell_ours):
         failed = True

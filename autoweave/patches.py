@@ -97,7 +97,7 @@ def apply_torch(settings: Settings) -> None:
     """Wrap ``torch.compile`` and ``torch.nn.Module.compile`` (unless switched off)."""
     from autoweave import _compat
 
-    _compat.check_torch_version()
+    _compat.check_torch_version(untested=settings.untested_torch)
     import torch
 
     from autoweave import _changes, runtime

@@ -1,4 +1,10 @@
-"""torch versions: pip never caps them; the start-up check and ``doctor`` agree on the range."""
+"""torch versions: pip never caps them; the start-up check and ``doctor`` agree.
+
+A torch older than tested turns autoweave off; one newer than tested is checked
+name by name (``_compat.self_check``): on with one notice when everything is
+there, off naming what is missing otherwise, off outright with
+``AUTOWEAVE_UNTESTED_TORCH=off``.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from autoweave import _compat, doctor
 
 ROOT = Path(__file__).resolve().parents[1]
+LOW, HIGH = _compat.TESTED_TORCH
+NEWER = f"{HIGH[0]}.{HIGH[1] + 1}.0"
+OLDER = f"{LOW[0]}.{LOW[1] - 1}.0"
 
 
 def _torch_requirement() -> str:
@@ -22,42 +33,111 @@ def _torch_requirement() -> str:
 
 
 def test_pyproject_sets_no_torch_upper_bound() -> None:
-    low = _compat.SUPPORTED_TORCH[0]
     # A newer torch must not make pip downgrade the user's (or refuse); the start-up check decides.
-    assert _torch_requirement().replace(" ", "") == f"torch>={low[0]}.{low[1]}"
+    assert _torch_requirement().replace(" ", "") == f"torch>={LOW[0]}.{LOW[1]}"
 
 
-def test_doctor_and_start_up_check_agree_on_a_torch_too_new() -> None:
-    high = _compat.SUPPORTED_TORCH[1]
-    newer = f"{high[0]}.{high[1] + 1}.0"
-    check = doctor.check_torch(newer)
-    assert check.status == doctor.FAIL and check.title == f"torch {newer}"
-    assert f"to {high[0]}.{high[1]}" in check.detail and "<" in check.fix
-    assert doctor.check_torch(f"{high[0]}.{high[1]}.3").status == doctor.OK
+def test_torch_2_15_is_tested() -> None:
+    assert _compat.torch_support("2.15.0+cu132").on and not _compat.torch_support("2.15.0").untested
+
+
+def test_an_older_torch_is_off_and_a_newer_one_is_decided_by_the_self_check() -> None:
+    old = _compat.torch_support(OLDER)
+    assert not old.on and "not supported" in old.message and f"{LOW[0]}.{LOW[1]}" in old.message
+    fine = _compat.torch_support(NEWER, check=list)
+    assert fine.on and fine.untested and "newer than the newest tested" in fine.message
+    broken = _compat.torch_support(NEWER, check=lambda: ["torch._dynamo.eval_frame.OptimizedModule"])
+    assert not broken.on and broken.missing == ("torch._dynamo.eval_frame.OptimizedModule",)
+    assert "lacks what autoweave needs: torch._dynamo.eval_frame.OptimizedModule" in broken.message
+    strict = _compat.torch_support(NEWER, untested="off", check=list)
+    assert not strict.on and "AUTOWEAVE_UNTESTED_TORCH=off" in strict.message
+
+
+def test_the_self_check_finds_everything_on_this_torch_and_names_what_is_missing(monkeypatch) -> None:
+    assert _compat.self_check() == []
+    needs = _compat._needs()
+    monkeypatch.setattr(
+        _compat, "_needs", lambda: (*needs, ("torch._no_such_name", lambda: _compat._first("torch._no_such_name")))
+    )
+    assert _compat.self_check() == ["torch._no_such_name"]
+
+
+def test_doctor_and_start_up_check_agree_on_torch_versions() -> None:
+    old = doctor.check_torch(OLDER, untested="check")
+    assert old.status == doctor.FAIL and old.title == f"torch {OLDER}" and "<" in old.fix
+    new = doctor.check_torch(NEWER, untested="check")
+    assert new.status == doctor.WARN and "newer than tested" in new.title
+    strict = doctor.check_torch(NEWER, untested="off")
+    assert strict.status == doctor.FAIL and "AUTOWEAVE_UNTESTED_TORCH" in strict.fix
+    assert doctor.check_torch(f"{HIGH[0]}.{HIGH[1]}.3", untested="check").status == doctor.OK
     assert doctor.check_torch(None).fix.startswith("pip install 'torch>=")
 
 
-_FAKE_TORCH = """
-import types
-from autoweave import _bootstrap
-fake = types.ModuleType("torch")
-fake.__version__ = "{version}"
-_bootstrap._on_torch_import(fake)
-_bootstrap._on_checkpoint_wrapper_import(types.ModuleType("checkpoint_wrapper"))
-print("OFF", _bootstrap.off_reason() is not None)
+# The hooks as torch's import would call them, on the real torch with its version faked.
+_FAKE_VERSION = """
+import os
+import torch
+torch.__version__ = "{version}"
+os.environ["AUTOWEAVE"] = "1"  # after torch's import: the start-up file's hooks saw nothing
+from autoweave import _bootstrap, _compat, _settings
+_settings.reload()
+{missing}
+_bootstrap._on_torch_import(torch)
+import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as cw
+_bootstrap._on_checkpoint_wrapper_import(cw)
+from autoweave import patches
+print("OFF", _bootstrap.off_reason() is not None, "PATCHED", sorted(patches.applied()))
+"""
+_MISSING = """
+needs = _compat._needs
+_compat._needs = lambda: (*needs(), ("torch._dynamo.no_such_hook", lambda: _compat._first("torch._dynamo.no_such_hook")))
 """
 
 
-def test_unsupported_torch_at_start_up_is_a_clear_message_not_an_internal_error() -> None:
-    # The hook as torch's import would call it, on a torch newer than the supported range.
-    high = _compat.SUPPORTED_TORCH[1]
-    newer = f"{high[0]}.{high[1] + 1}.0"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOWEAVE")}
-    env.update(PYTHONPATH=str(ROOT), AUTOWEAVE="1")
-    code = _FAKE_TORCH.replace("{version}", newer)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "OFF True" in proc.stdout, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr  # once, though two hooks fired
-    assert lines[0].startswith(f"autoweave: [unsupported-torch] torch {newer} is not supported")
-    assert f"{high[0]}.{high[1]}" in lines[0] and "internal" not in lines[0]
+def _run(version: str, *, missing: bool = False, **env_extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOWEAVE") and k != "RANK"}
+    env.update(PYTHONPATH=str(ROOT), **env_extra)
+    code = _FAKE_VERSION.replace("{version}", version).replace("{missing}", _MISSING if missing else "")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def _autoweave_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("autoweave")]
+
+
+@pytest.mark.slow
+def test_a_newer_torch_with_everything_in_place_turns_on_with_one_notice() -> None:
+    proc = _run(NEWER)
+    assert "OFF False PATCHED ['checkpoint_wrapper', 'compile', 'module_compile']" in proc.stdout, proc.stderr
+    (line,) = _autoweave_lines(proc)  # once, though two hooks fired
+    assert line.startswith(f"autoweave: [untested-torch] torch {NEWER} is newer than the newest tested")
+
+
+@pytest.mark.slow
+def test_a_newer_torch_missing_a_name_stays_off_naming_it() -> None:
+    proc = _run(NEWER, missing=True)
+    assert "OFF True PATCHED []" in proc.stdout, proc.stderr
+    (line,) = _autoweave_lines(proc)
+    assert line.startswith(f"autoweave: [unsupported-torch] torch {NEWER} is newer than the newest tested")
+    assert "lacks what autoweave needs: torch._dynamo.no_such_hook;" in line and "internal" not in line
+
+
+@pytest.mark.slow
+def test_untested_torch_off_keeps_the_strict_behaviour_and_ranks_other_than_0_stay_quiet() -> None:
+    proc = _run(NEWER, AUTOWEAVE_UNTESTED_TORCH="off")
+    assert "OFF True PATCHED []" in proc.stdout
+    (line,) = _autoweave_lines(proc)
+    assert "AUTOWEAVE_UNTESTED_TORCH=off" in line
+    quiet = _run(NEWER, RANK="1")
+    assert "OFF False" in quiet.stdout and _autoweave_lines(quiet) == []
+
+
+@pytest.mark.slow
+def test_an_older_torch_at_start_up_is_a_clear_message_not_an_internal_error() -> None:
+    proc = _run(OLDER)
+    assert "OFF True PATCHED []" in proc.stdout
+    (line,) = _autoweave_lines(proc)
+    assert line.startswith(f"autoweave: [unsupported-torch] torch {OLDER} is not supported")
+    assert f"{HIGH[0]}.{HIGH[1]}" in line and "internal" not in line

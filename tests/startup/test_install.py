@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -266,6 +267,37 @@ def test_torchrun_both_ranks(installed_venv: venvs.Venv, probe_dir: Path) -> Non
     assert not INTERNAL_ERROR.search(proc.stderr)
 
 
+def test_torchrun_launcher_says_nothing_and_ranks_say_it_once(installed_venv: venvs.Venv, probe_dir: Path) -> None:
+    # torchrun's launcher inherits AUTOWEAVE and imports torch but never compiles: it stays
+    # out; a problem with the settings (the same on every rank) is told once, by rank 0.
+    script = probe_dir / "quiet.py"
+    script.write_text("import torch  # noqa: F401\n")
+    torchrun = Path(sys.executable).parent / "torchrun"  # the script, run by the venv's python
+    for launcher in (["-m", "torch.distributed.run"], [str(torchrun)]):
+        proc = installed_venv.run(
+            [*launcher, "--standalone", "--nproc_per_node=2", str(script)],
+            env=venvs.child_env({"AUTOWEAVE": "1", "AUTOWEAVE_MODE": "sometimes"}),
+            cwd=probe_dir,
+            timeout=240,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        lines = autoweave_lines(proc.stderr)
+        assert len(lines) == 1 and "AUTOWEAVE_MODE='sometimes' not understood" in lines[0], proc.stderr
+
+
+def test_the_wheel_is_torch_autoweave_and_holds_only_autoweave(wheel: Path) -> None:
+    # "autoweave" on the package index is another project; ours installs as torch-autoweave.
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        text = archive.read(metadata).decode()
+    assert "\nName: torch-autoweave\n" in text
+    tops = {name.split("/", 1)[0] for name in names if not name.endswith(".dist-info/" + name.rsplit("/", 1)[-1])}
+    assert tops == {"autoweave", *STARTUP_FILES}, tops
+
+
 # -- switches --------------------------------------------------------------------------------
 
 
@@ -317,10 +349,18 @@ def test_startup_file_run_twice_leaves_one_layer(installed_venv: venvs.Venv, pro
         with open(os.path.join(site_packages, "autoweave.pth")) as f:
             line = next(x for x in f if x.startswith("import"))
 
+        with open(os.path.join(site_packages, "autoweave.start")) as f:
+            # PEP 829 (Python 3.15): "module:callable" lines, run at start-up; a
+            # venv's site-packages may be processed twice.
+            entry = next(x.strip() for x in f if x.strip() and not x.startswith("#"))
+        module_name, _, function = entry.partition(":")
+
         def rerun():
             exec(line, {})
             exec(line, {})
             site.addsitedir(site_packages)
+            for _ in range(2):
+                getattr(__import__(module_name), function)()
 
         rerun()  # before torch: hooks registered twice?
         import torch  # noqa: F401

@@ -140,7 +140,7 @@ def build_wheel(source: Path, outdir: Path) -> Path:
         timeout=300,
     )
     _check(proc, "building the wheel")
-    wheels = sorted(outdir.glob("autoweave-*.whl"))
+    wheels = sorted(outdir.glob("torch_autoweave-*.whl"))
     if not wheels:
         raise RuntimeError(f"no autoweave wheel in {outdir}: {proc.stdout}\n{proc.stderr}")
     return wheels[-1]
