@@ -477,3 +477,16 @@ def self_check() -> list[str]:
         if not ok:
             missing.append(what)
     return missing
+
+
+@functools.cache
+def checkpointed_function_class() -> type | None:
+    """torch 2.15+'s ``checkpoint(**options)(fn)`` result class, or None on an older torch.
+
+    Private: the decorator form returns it and nothing public names it. Needed until
+    dynamo traces it as its checkpoint operator.
+    """
+    try:
+        return _first("torch.utils.checkpoint._CheckpointedFunction")
+    except UnsupportedTorch:
+        return None

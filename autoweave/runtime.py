@@ -27,6 +27,7 @@ from autoweave import (
     _where,
     breaks,
     capture,
+    decorated_checkpoints,
     plan_log,
     planner,
     report,
@@ -67,6 +68,7 @@ def route_compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
         # torch.compile with the function it decorates, and compiles the user
         # switched off: exactly torch's.
         return wrapped(*args, **kwargs)
+    _make_decorated_checkpoints_traceable(model)
     # torch's own compile first, outside any guard: what it rejects (a bad
     # backend, conflicting options) raises here, with torch's error, as without us.
     compiled = wrapped(*args, **report.plain_kwargs(model, kwargs))
@@ -82,6 +84,7 @@ def route_module_compile(wrapped: Callable[..., Any], instance: Any, args: tuple
     if _off.get() or not isinstance(instance, nn.Module) or kwargs.get("disable"):
         return wrapped(*args, **kwargs)
     compile_kwargs = _compile_kwargs(args, kwargs)
+    _make_decorated_checkpoints_traceable(instance)
     # What nn.Module.compile does, done now and outside any guard: torch's
     # errors (a bad backend, conflicting options) raise at .compile(), as without us.
     plain = _compile_function(instance._call_impl, **report.plain_kwargs(instance, compile_kwargs))
@@ -90,6 +93,13 @@ def route_module_compile(wrapped: Callable[..., Any], instance: Any, args: tuple
     if failed:
         instance._compiled_call_impl = plain
     return None
+
+
+def _make_decorated_checkpoints_traceable(model: nn.Module) -> None:
+    # torch 2.15's @checkpoint on a forward: compiled as written it fails in backward
+    # (see decorated_checkpoints); the call form compiles, with the same options.
+    with guard(f"making {type(model).__name__}'s decorated checkpoints traceable"):
+        decorated_checkpoints.make_traceable(model)
 
 
 def route_checkpoint_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -170,3 +170,30 @@ def test_explain_default_shard_on_a_dense_model_says_none_found(capsys: pytest.C
     assert status == 0, err
     assert "FSDP units (simulated): experts (none found in the blocks)" in out
     assert "autoweave plan: 2 compiled modules, 0 woven" in out
+
+
+def test_doctor_names_another_distribution_that_owns_the_autoweave_package(tmp_path) -> None:
+    # PyPI's "autoweave" (an unrelated project) ships a top-level autoweave/ package too.
+    info = tmp_path / "autoweave-0.1.4.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: autoweave\nVersion: 0.1.4\n")
+    (info / "RECORD").write_text("autoweave/__init__.py,,\nautoweave-0.1.4.dist-info/METADATA,,\n")
+    ours = tmp_path / "torch_autoweave-0.1.0.dist-info"
+    ours.mkdir()
+    (ours / "METADATA").write_text("Metadata-Version: 2.1\nName: torch-autoweave\nVersion: 0.1.0\n")
+    (ours / "RECORD").write_text("autoweave/__init__.py,,\n")
+    (check,) = doctor.check_other_distributions([str(tmp_path)])
+    assert check.status == doctor.FAIL and "autoweave 0.1.4" in check.title
+    assert check.fix == "pip uninstall autoweave && pip install --force-reinstall torch-autoweave"
+    assert doctor.check_other_distributions([str(tmp_path / "nothing")]) == []
+
+
+def test_doctor_live_fix_names_the_real_cause() -> None:
+    reason = (
+        "[unsupported-torch] torch 2.16.0 is newer than the newest tested (2.15) and lacks what autoweave "
+        "needs: torch._x; staying off, torch runs unpatched. Install a tested torch (2.11 to 2.15) or unset AUTOWEAVE."
+    )
+    assert doctor._live_fix({"off_reason": reason}, True) == "Install a tested torch (2.11 to 2.15) or unset AUTOWEAVE"
+    present = doctor._live_fix({}, True)
+    assert "start-up file is present" in present and "install autoweave's start-up file" not in present
+    assert "pip install torch-autoweave" in doctor._live_fix({}, False)

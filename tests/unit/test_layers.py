@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # The decision, pure: a module tree in, a plan out.
     ("autoweave.planner",),
     # The side effects: installing a plan's compiled regions.
-    ("autoweave.pieces", "autoweave.weave"),
+    ("autoweave.pieces", "autoweave.weave", "autoweave.decorated_checkpoints"),
     # Reporting, fed by callbacks: the plan summary, the structured trace, the run report.
     ("autoweave.plan_log", "autoweave._trace", "autoweave.report"),
     # Routing: the dispatcher, and the wrappers on torch that route calls to it.

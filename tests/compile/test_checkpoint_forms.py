@@ -1,0 +1,241 @@
+"""Checkpoints written the newer ways: torch 2.15's decorator, and transformers' layers.
+
+- torch 2.15: ``@checkpoint(use_reentrant=False)`` on a ``forward`` (a ``_CheckpointedFunction``).
+  Plain ``torch.compile`` of such a module fails in its first backward (dynamo compiles the
+  decorated function as a frame of its own and the recompute runs it eager: ``CheckpointError``),
+  break or no break; with autoweave it compiles, with eager's gradients and AC's memory.
+- transformers 5.0-5.22 checkpoint in a layer's ``__call__``, 5.23+ in its ``forward``. The lane
+  decides which is installed (the first CI lane has 5.24, the 2.15 lane 5.22); both are planned
+  so that a per-layer compile keeps the layer compiled around the experts' break.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import autoweave
+from autoweave import _compat, _state, decorated_checkpoints
+from benchmarks.measure import forward_gemms_outside_graphs
+from tests.break_models import fsdp_like
+
+BACKEND = "aot_eager"
+DIM = 64
+
+decorator_form = pytest.mark.skipif(
+    _compat.checkpointed_function_class() is None, reason="checkpoint's decorator form is torch 2.15+"
+)
+
+
+@pytest.fixture(autouse=True)
+def weave_on():
+    torch._dynamo.reset()
+    _state.reset()
+    assert autoweave.enable()
+    yield
+    autoweave.disable()
+    _state.reset()
+    torch._dynamo.reset()
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    gemms = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    return CheckpointPolicy.MUST_SAVE if op in gemms else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective():
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+class Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(DIM, 4 * DIM)
+        self.v = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.v(torch.relu(self.w(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, fsdp: bool) -> None:
+        super().__init__()
+        self.attn = nn.Linear(DIM, DIM)
+        self.experts = Experts()
+        self.out = nn.Linear(DIM, DIM)
+        if fsdp:
+            fsdp_like(self.experts)
+
+    def body(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        h = x + torch.tanh(self.attn(x)) * scale
+        return h + self.out(torch.relu(self.experts(h)))
+
+
+if _compat.checkpointed_function_class() is not None:
+
+    class FullAC(Block):
+        forward = checkpoint(use_reentrant=False)(Block.body)
+
+    class SelectiveAC(Block):
+        forward = checkpoint(use_reentrant=False, context_fn=_selective)(Block.body)
+
+
+def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward outside any checkpoint (a checkpoint's own hooks win inside)."""
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum().backward()
+    return saved[0]
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@decorator_form
+@pytest.mark.parametrize("fsdp", [False, True], ids=["no-break", "fsdp-break"])
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_a_forward_decorated_with_checkpoint_compiles_and_trains_as_eager(ac: str, fsdp: bool) -> None:
+    torch.manual_seed(0)
+    model = (FullAC if ac == "full" else SelectiveAC)(fsdp)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=BACKEND)
+    x = torch.randn(32, DIM, requires_grad=True)
+    for _ in range(3):
+        compiled(x).sum().backward()  # plain torch 2.15: CheckpointError here, at the first backward
+        eager(x).sum().backward()
+    for got, want in zip(_grads(model), _grads(eager), strict=True):
+        torch.testing.assert_close(got, want)
+    assert forward_gemms_outside_graphs(compiled, x) == 0
+    assert set(model.state_dict()) == set(eager.state_dict())
+
+
+@decorator_form
+def test_the_decorated_checkpoint_still_saves_what_ac_saves() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(256, DIM, requires_grad=True)
+    decorated = torch.compile(FullAC(fsdp=False), backend=BACKEND)
+    undecorated = Block(fsdp=False)
+    undecorated.forward = undecorated.body
+    no_ac = torch.compile(undecorated, backend=BACKEND)
+    _saved_bytes(decorated, x), _saved_bytes(no_ac, x)  # compile first
+    # The checkpoint is traced: the compiled graph keeps its inputs, not its activations.
+    assert _saved_bytes(decorated, x) < 0.5 * _saved_bytes(no_ac, x)
+
+
+@decorator_form
+def test_an_instance_decorated_forward_and_its_keyword_arguments_are_kept_and_restored() -> None:
+    torch.manual_seed(0)
+    model = Block(fsdp=True)
+    model.forward = checkpoint(use_reentrant=False)(model.body)
+    decorated = model.forward
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, DIM, requires_grad=True)
+    # A keyword argument reaches the forward, never checkpoint's own options.
+    decorated_checkpoints.make_traceable(model)
+    torch.testing.assert_close(model(x, scale=0.5), eager(x, scale=0.5))
+    assert decorated_checkpoints.make_traceable(model) == 0  # idempotent: already in the call form
+    decorated_checkpoints.restore(model)
+    assert model.forward is decorated and decorated_checkpoints.DECORATED not in model.__dict__
+    plain_class = SelectiveAC(fsdp=False)
+    decorated_checkpoints.make_traceable(plain_class)
+    decorated_checkpoints.restore(plain_class)
+    assert "forward" not in plain_class.__dict__
+
+
+# -- transformers -------------------------------------------------------------------------
+
+
+def _tiny_qwen3_moe(layers: int = 2) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    for layer in model.model.layers:
+        fsdp_like(layer.mlp.experts)  # the experts as their own FSDP unit: a graph break
+    return model
+
+
+def _hf_run(in_place: bool, weave: bool) -> tuple[list[float], int]:
+    model = _tiny_qwen3_moe()
+    layers = model.model.layers
+    with autoweave.disabled() if not weave else _nothing():
+        for i, layer in enumerate(layers):
+            if in_place:
+                layer.compile(backend=BACKEND)
+            else:
+                layers[i] = torch.compile(layer, backend=BACKEND)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(3):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        losses.append(out.loss.item())
+    return losses, forward_gemms_outside_graphs(model, ids)
+
+
+class _nothing:  # noqa: N801 - a null context, like autoweave.disabled()
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _checkpoints_in_forward() -> bool:
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return (major, minor) >= (5, 23)
+
+
+@pytest.mark.slow
+def test_transformers_layers_are_found_where_their_version_checkpoints() -> None:
+    from autoweave import checkpoints, planner
+
+    layer = _tiny_qwen3_moe(layers=1).model.layers[0]
+    in_call = checkpoints.call_checkpoints(layer)
+    in_forward = planner.calls_checkpoint(layer)
+    assert (in_call, in_forward) == ((False, True) if _checkpoints_in_forward() else (True, False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch.compile(layer)", "layer.compile()"])
+def test_transformers_layers_compile_around_the_experts_break(in_place: bool) -> None:
+    eager_model = _tiny_qwen3_moe()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    eager_losses = []
+    for _ in range(3):
+        out = eager_model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        eager_losses.append(out.loss.item())
+    all_gemms = forward_gemms_outside_graphs(eager_model, ids)
+    torch._dynamo.reset()
+    plain_losses, plain_gemms = _hf_run(in_place, weave=False)
+    torch._dynamo.reset()
+    woven_losses, woven_gemms = _hf_run(in_place, weave=True)
+    assert plain_losses == pytest.approx(eager_losses, rel=1e-5)
+    assert woven_losses == pytest.approx(eager_losses, rel=1e-5)
+    assert woven_gemms <= plain_gemms
+    if not in_place or _checkpoints_in_forward():
+        # torch.compile(layer) traces the checkpoint, so plain torch loses the whole layer
+        # (and 5.23+'s forward checkpoint is traced by layer.compile() too).
+        assert plain_gemms == all_gemms and woven_gemms < plain_gemms
+    if _checkpoints_in_forward():
+        # 5.24's experts compile: only the lm_head runs outside compiled graphs (the limit).
+        assert woven_gemms == 1
