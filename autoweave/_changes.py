@@ -6,20 +6,35 @@ every forward costs time proportional to the number of submodules; instead
 each dispatcher remembers the generation it planned at and re-reads the tree
 only after the generation moved. It moves when:
 
-- a submodule is registered anywhere (torch's global registration hook:
-  ``parent.child = ...``, ``add_module``, FSDP1 wrapping a child);
+- a submodule is registered into a module some compiled tree was read from
+  (torch's global registration hook: ``parent.child = ...``, ``add_module``,
+  FSDP1 wrapping a child, ``apply_activation_checkpointing``);
 - ``fully_shard`` runs (it swaps a module's class in place, which no hook
   sees; ``FSDPState.init`` runs once per call, whatever name the user imported
   ``fully_shard`` under);
 - autoweave's own marks change (``boundary``, ``set_mode``, ``register_boundary``).
 
 A spurious bump costs one tree walk per compiled module; a missed one would
-keep a stale plan, so every source above bumps.
+keep a stale plan, so every source above bumps. Registrations that change no
+compiled tree do not:
+
+- into a module no tree walk has read (``watch``): a fresh container, such as
+  the ``ModuleList`` that ``self.layers[:n]`` builds at every forward of a
+  transformers decoder, or the graph modules a backend builds. A tree can only
+  grow through a module it already holds, and a module attached to a tree is
+  read by the walk its own registration triggers, so nothing is missed;
+- of the child a module already holds under that name (assigned again);
+- while dynamo traces (the slice inside ``torch.compile(model)``): the hook is
+  traced too, and a write to ``run.generation`` there would make dynamo guard
+  on autoweave's counter and recompile the model at every call. Under
+  ``torch.compiler.is_compiling()``, which dynamo folds to True, the hook does
+  nothing; nothing of it reaches the graph or its guards.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 from autoweave._log import logger
@@ -28,6 +43,7 @@ from autoweave._state import run
 _lock = threading.Lock()
 _handle: Any = None
 _fsdp_init: tuple[type, Any] | None = None  # (FSDPState, its original init) while wrapped
+_is_compiling: Any = None  # torch.compiler.is_compiling, once torch is imported (install)
 
 
 def bump() -> None:
@@ -35,16 +51,29 @@ def bump() -> None:
     run.generation += 1
 
 
+def watch(modules: Iterable[Any]) -> None:
+    """A tree walk read ``modules``: a registration into any of them from now on bumps."""
+    run.watched.update(modules)
+
+
 def _on_registration(module: Any, name: str, submodule: Any) -> None:
-    bump()
+    # Cheapest test first; dynamo folds it to True while tracing, so the
+    # rest is never traced (see the module docstring).
+    if _is_compiling():
+        return
+    if module in run.watched and module.__dict__.get("_modules", {}).get(name) is not submodule:
+        bump()
 
 
 def install() -> None:
     """Start watching (idempotent); called when the patches go on."""
-    global _handle
+    global _handle, _is_compiling
+    import torch
+
     from autoweave import _compat, _importhook
 
     with _lock:
+        _is_compiling = torch.compiler.is_compiling
         if _handle is None:
             _handle = _compat.register_module_registration_hook(_on_registration)
     # FSDP2 loads when the user imports it, not with torch: hook its module

@@ -21,6 +21,9 @@ class RunState:
         # Bumped whenever a module tree may have changed (see ``_changes``);
         # dispatchers re-read their tree only when it moved.
         self.generation = generation
+        # _changes: every module a dispatcher's tree walk read; only registrations
+        # into these move the counter (a slice's fresh ModuleList is not one).
+        self.watched: weakref.WeakSet[Any] = weakref.WeakSet()
         # _failopen: the one internal-error warning, and the per-key warnings given.
         self.warned = False
         self.warned_keys: set[str] = set()

@@ -176,7 +176,9 @@ def _install_recompile_filter() -> None:
 def _fingerprint(target: nn.Module) -> tuple:
     from autoweave.boundaries import MARK
 
-    return tuple((name, type(m), getattr(m, MARK, None)) for name, m in target.named_modules())
+    modules = list(target.named_modules())
+    _changes.watch(m for _, m in modules)  # a registration into any of them moves the signal
+    return tuple((name, type(m), getattr(m, MARK, None)) for name, m in modules)
 
 
 class _Dispatcher:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 
-from autoweave import capture
+from autoweave import _compat, capture
 from tests.break_models import fsdp_like
 
 # A torch.compiler.disable'd pre-hook, as fully_shard gives a unit: a real graph break.
@@ -69,3 +72,28 @@ class RecompileLimitHits(logging.Handler):
 
     def __exit__(self, *exc: object) -> None:
         self._logger.removeHandler(self)
+
+
+@contextlib.contextmanager
+def recompiles() -> Iterator[list[str]]:
+    """The compile ids of dynamo's recompiles (a frame compiled once more) made while inside.
+
+    Heard through dynamo's compile-start callbacks, as the report hears them,
+    but on a list of the test's own.
+    """
+    seen: list[str] = []
+    callbacks = _compat.compile_callbacks()
+
+    def on_start(args: object = None, *_: object) -> None:
+        if getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO") != "DYNAMO":
+            return  # a lazy backward compile of a graph already counted
+        compile_id = str(getattr(args, "compile_id", ""))  # "frame/attempt", e.g. "0/1"
+        match = re.search(r"(\d+)/(\d+)", compile_id)
+        if match and int(match.group(2)) > 0:
+            seen.append(compile_id)
+
+    callbacks.register_start_callback(on_start)
+    try:
+        yield seen
+    finally:
+        callbacks.remove_start_callback(on_start)

@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from torch._dynamo.utils import counters
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
 from autoweave import _log, _state, capture, plan_log, report
 from autoweave._settings import Settings
-from tests.models import Block
+from benchmarks.measure import forward_gemms_outside_graphs
+from tests.models import Block, RecompileLimitHits, recompiles
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,6 +147,69 @@ def test_instrument_builds_the_backend_torch_would(weave_on) -> None:
     assert inner == torch._TorchCompileInductorWrapper("max-autotune-no-cudagraphs", None, None)
     filtered = report.instrument({"backend": "eager", "options": {"guard_filter_fn": len}}, "r2")
     assert filtered["options"] == {"guard_filter_fn": len}
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+def _ten_compiled_blocks(*, reporting: bool, fullgraph: bool, in_place: bool) -> dict:
+    """Ten identical blocks, each compiled on its own (torchtitan's per-layer ``block.compile()``)."""
+    torch._dynamo.reset()
+    counters.clear()
+    _state.reset()
+    if reporting:
+        report.start(None)
+    torch.manual_seed(0)
+    blocks = [Small() for _ in range(10)]
+    for i, block in enumerate(blocks):
+        if in_place:
+            block.compile(backend="aot_eager", fullgraph=fullgraph)
+        else:
+            blocks[i] = torch.compile(block, backend="aot_eager", fullgraph=fullgraph)
+    model = nn.Sequential(*blocks)
+    x = torch.randn(4, 8)
+    with RecompileLimitHits() as hits, recompiles() as again:
+        for _ in range(3):
+            model(x).sum().backward()
+        eager_gemms = forward_gemms_outside_graphs(model, x)
+        out = model(x)
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "recompiles": len(again),
+        "limit_hits": hits.messages,
+        "eager_gemms": eager_gemms,
+        "out": out.detach(),
+        "report": report.stop(),
+    }
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch.compile", "module.compile"])
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks-allowed", "fullgraph"])
+def test_the_report_changes_nothing_that_compiles(weave_on, fullgraph: bool, in_place: bool) -> None:
+    # One counting backend per compile used to defeat dynamo's backend match:
+    # 8 graphs, the recompile limit, blocks 9-10 eager (fullgraph: raised).
+    plain = _ten_compiled_blocks(reporting=False, fullgraph=fullgraph, in_place=in_place)
+    observed = _ten_compiled_blocks(reporting=True, fullgraph=fullgraph, in_place=in_place)
+    assert plain["report"] is None and plain["limit_hits"] == [] and plain["eager_gemms"] == 0
+    same = ("graphs", "recompiles", "limit_hits", "eager_gemms")
+    assert [observed[k] for k in same] == [plain[k] for k in same]
+    torch.testing.assert_close(observed["out"], plain["out"], rtol=0, atol=0)
+    data = observed["report"]
+    # The report's own numbers: what compiled, counted once, in the regions that compiled it.
+    assert data["dynamo"]["unique_graphs"] == plain["graphs"]
+    assert data["dynamo"]["recompile_limit_hits"] == []
+    assert data["totals"]["graphs"] == sum(r["graphs"] for r in data["regions"]) == plain["graphs"]
+    # Recompiles: only the model's own (the blocks after the first see an input that requires grad).
+    assert data["dynamo"]["recompiles"] == plain["recompiles"] == 1
+    assert sum(r["recompiles"] for r in data["regions"]) == 1
+    assert len(data["regions"]) == 10 and data["totals"]["modules"] == 10
 
 
 def _run_job(tmp: Path, weave: str, template: str, *, spawn: bool = False) -> tuple[Path, str]:
