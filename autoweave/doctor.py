@@ -237,8 +237,10 @@ def other_distributions(path: list[str] | None = None) -> list[tuple[str, str]]:
         if name.lower().replace("_", "-") == DISTRIBUTION:
             continue
         top = (dist.read_text("top_level.txt") or "").split()
-        files = [str(f) for f in (dist.files or ())]
-        if "autoweave" in top or any(f.startswith("autoweave/") for f in files):
+        # RECORD as written, not ``dist.files``: Python 3.11 drops files missing on disk,
+        # and the other project's files may be ours now (one overwrote the other).
+        record = (dist.read_text("RECORD") or "").splitlines()
+        if "autoweave" in top or any(line.startswith("autoweave/") for line in record):
             found[name] = dist.version
     return sorted(found.items())
 
