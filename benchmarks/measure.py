@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::_grouped_mm")
 # AOTAutograd runs every compiled graph (aot_eager and inductor alike) inside
 # this autograd function; its profiler range is exactly "inside a graph".
 COMPILED_RANGE = "CompiledFunction"
