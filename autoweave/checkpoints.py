@@ -72,6 +72,8 @@ def _instance_attribute(owner: Any, name: str) -> Any:
             attr = cls.__dict__[name]
             if isinstance(attr, (types.FunctionType, staticmethod, classmethod)):
                 return attr.__get__(owner, type(owner))
+            if isinstance(attr, (bool, int, type(None))):
+                return attr  # a class-level flag (``gradient_checkpointing = False``)
             return _MISSING  # a property or descriptor: not read
     return _MISSING
 
@@ -82,6 +84,27 @@ def _attribute(obj: Any, name: str) -> Any:
     if isinstance(obj, types.ModuleType) or isinstance(obj, type):
         return getattr(obj, name, _MISSING)
     return _instance_attribute(obj, name)
+
+
+# Conditional jumps (Python 3.10-3.13 spellings) and the flag value that takes them:
+# with that value the instructions up to the target are skipped, i.e. do not run now.
+_JUMPS = {
+    "POP_JUMP_IF_FALSE": False,
+    "POP_JUMP_FORWARD_IF_FALSE": False,
+    "POP_JUMP_IF_TRUE": True,
+    "POP_JUMP_FORWARD_IF_TRUE": True,
+}
+# Flipped by train()/eval() between calls: never taken as a fixed flag.
+_MODES = frozenset({"training"})
+
+
+class _Flag:
+    """A plain flag attribute of the module (``bool``/``int``/``None``), as read while planning."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = bool(value)
 
 
 def code_checkpoints(
@@ -108,9 +131,22 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
     assigned: dict[str, Any] = {}  # locals bound to something resolved (``import ... as``, aliases)
     previous: Any = None
     callees: list[tuple[Any, Any]] = []
+    dormant_until = -1
     for instruction in dis.get_instructions(code):
+        if instruction.offset < dormant_until:
+            continue
         op, name = instruction.opname, instruction.argval
         fromlist, previous = previous, instruction.argval
+        if op in _JUMPS:
+            # ``if self.gradient_checkpointing and ...: return checkpoint(...)`` with the
+            # flag off: that branch does not run now, and must not make the plan worse.
+            flag = current.value if isinstance(current, _Flag) else None
+            if flag is not None and flag == _JUMPS[op] and isinstance(name, int) and name > instruction.offset:
+                dormant_until = name
+            current = _MISSING
+            continue
+        if op == "TO_BOOL":  # 3.13+: the test's value stays what it was
+            continue
         if op == "IMPORT_NAME":
             # Imports inside the function: ``import torch.utils.checkpoint`` binds
             # the top package, ``from ... import checkpoint as ck`` the attribute.
@@ -144,7 +180,10 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
             elif op.startswith("LOAD_FAST") and name == self_name:
                 current = owner
         elif op in _ATTRIBUTE_LOADS:
-            current = _attribute(current, name)
+            base, current = current, _attribute(current, name)
+            if base is owner and name not in _MODES and isinstance(current, (bool, int, type(None))):
+                current = _Flag(current)  # only a branch test reads it
+                continue
         else:
             current = _MISSING
             continue
