@@ -97,3 +97,22 @@ def recompiles() -> Iterator[list[str]]:
         yield seen
     finally:
         callbacks.remove_start_callback(on_start)
+
+
+def saved_bytes(model: nn.Module, *args: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward of one step of ``model`` (then runs that backward).
+
+    Counted by saved-tensor hooks around the forward: a checkpoint's own hooks win
+    inside it, so what an eager checkpoint recomputes is not counted, and a compiled
+    graph's saved activations are.
+    """
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(*args)
+    out.sum().backward()
+    return saved[0]

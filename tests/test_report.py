@@ -36,15 +36,9 @@ class Stack(nn.Module):
 
 
 @pytest.fixture
-def weave_on():
-    torch._dynamo.reset()
-    _state.reset()
-    assert autoweave.enable()
+def weave_on(weave_on):  # the shared one (tests/conftest.py), and the report stopped first
     yield
     report.stop()
-    _state.reset()
-    autoweave.disable()
-    torch._dynamo.reset()
 
 
 def test_fold_names() -> None:

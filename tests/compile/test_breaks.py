@@ -24,15 +24,7 @@ from tests.models import make_break
 BACKEND = "aot_eager"
 
 
-@pytest.fixture(autouse=True)
-def weave_on():
-    torch._dynamo.reset()
-    _state.reset()
-    assert autoweave.enable()
-    yield
-    autoweave.disable()
-    _state.reset()
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("weave_on")
 
 
 _ac = bm.with_ac

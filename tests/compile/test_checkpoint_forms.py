@@ -19,9 +19,10 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import autoweave
-from autoweave import _compat, _state, decorated_checkpoints
+from autoweave import _compat, decorated_checkpoints
 from benchmarks.measure import forward_gemms_outside_graphs
 from tests.break_models import fsdp_like
+from tests.models import saved_bytes
 
 BACKEND = "aot_eager"
 DIM = 64
@@ -31,15 +32,7 @@ decorator_form = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(autouse=True)
-def weave_on():
-    torch._dynamo.reset()
-    _state.reset()
-    assert autoweave.enable()
-    yield
-    autoweave.disable()
-    _state.reset()
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("weave_on")
 
 
 def _save_matmuls(ctx, op, *args, **kwargs):
@@ -84,19 +77,6 @@ if _compat.checkpointed_function_class() is not None:
         forward = checkpoint(use_reentrant=False, context_fn=_selective)(Block.body)
 
 
-def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """Bytes autograd keeps for backward outside any checkpoint (a checkpoint's own hooks win inside)."""
-    saved = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x).sum().backward()
-    return saved[0]
-
-
 def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
@@ -127,9 +107,9 @@ def test_the_decorated_checkpoint_still_saves_what_ac_saves() -> None:
     undecorated = Block(fsdp=False)
     undecorated.forward = undecorated.body
     no_ac = torch.compile(undecorated, backend=BACKEND)
-    _saved_bytes(decorated, x), _saved_bytes(no_ac, x)  # compile first
+    saved_bytes(decorated, x), saved_bytes(no_ac, x)  # compile first
     # The checkpoint is traced: the compiled graph keeps its inputs, not its activations.
-    assert _saved_bytes(decorated, x) < 0.5 * _saved_bytes(no_ac, x)
+    assert saved_bytes(decorated, x) < 0.5 * saved_bytes(no_ac, x)
 
 
 @decorator_form
@@ -180,6 +160,11 @@ def _hf_run(in_place: bool, weave: bool) -> tuple[list[float], int]:
                 layer.compile(backend=BACKEND)
             else:
                 layers[i] = torch.compile(layer, backend=BACKEND)
+    return _train(model)
+
+
+def _train(model: nn.Module) -> tuple[list[float], int]:
+    """Three steps' losses, then the forward GEMMs run outside compiled graphs."""
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     losses = []
     for _ in range(3):
@@ -217,14 +202,7 @@ def test_transformers_layers_are_found_where_their_version_checkpoints() -> None
 @pytest.mark.slow
 @pytest.mark.parametrize("in_place", [False, True], ids=["torch.compile(layer)", "layer.compile()"])
 def test_transformers_layers_compile_around_the_experts_break(in_place: bool) -> None:
-    eager_model = _tiny_qwen3_moe()
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    eager_losses = []
-    for _ in range(3):
-        out = eager_model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        eager_losses.append(out.loss.item())
-    all_gemms = forward_gemms_outside_graphs(eager_model, ids)
+    eager_losses, all_gemms = _train(_tiny_qwen3_moe())
     torch._dynamo.reset()
     plain_losses, plain_gemms = _hf_run(in_place, weave=False)
     torch._dynamo.reset()

@@ -17,21 +17,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import autoweave
-from autoweave import _state, planner
+from autoweave import planner
 from tests.break_models import fsdp_like
+from tests.models import saved_bytes
 
 DIM = 64
 
 
-@pytest.fixture(autouse=True)
-def weave_on():
-    torch._dynamo.reset()
-    _state.reset()
-    assert autoweave.enable()
-    yield
-    autoweave.disable()
-    _state.reset()
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("weave_on")
 
 
 class Plain(nn.Module):
@@ -94,19 +87,6 @@ def test_a_dormant_branch_is_not_read_as_a_checkpoint_and_an_active_one_is() -> 
     assert planner.calls_checkpoint(flag)
 
 
-def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    saved = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = model(x)
-    y.sum().backward()
-    return saved[0]
-
-
 @pytest.mark.parametrize("cls", [Zoo, ClassFlag])
 def test_a_dormant_branch_plans_and_holds_what_the_block_without_it_does(cls: type) -> None:
     torch.manual_seed(0)
@@ -120,7 +100,7 @@ def test_a_dormant_branch_plans_and_holds_what_the_block_without_it_does(cls: ty
     compiled_dormant = torch.compile(dormant, backend="aot_eager")
     compiled_branchless = torch.compile(branchless, backend="aot_eager")
     for model in (compiled_dormant, compiled_branchless):
-        _saved_bytes(model, x)  # the first calls compile (and learn the break)
-        _saved_bytes(model, x)
-    assert _saved_bytes(compiled_dormant, x) == _saved_bytes(compiled_branchless, x)
+        saved_bytes(model, x)  # the first calls compile (and learn the break)
+        saved_bytes(model, x)
+    assert saved_bytes(compiled_dormant, x) == saved_bytes(compiled_branchless, x)
     torch.testing.assert_close(compiled_dormant(x), compiled_branchless(x))

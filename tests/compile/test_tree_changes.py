@@ -22,16 +22,7 @@ import autoweave
 from autoweave import _state, capture, runtime
 from tests.models import Block, RecompileLimitHits, recompiles
 
-
-@pytest.fixture(autouse=True)
-def weave_on():
-    torch._dynamo.reset()
-    _state.reset()
-    assert autoweave.enable()
-    yield
-    autoweave.disable()
-    _state.reset()
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("weave_on")
 
 
 class Layer(nn.Module):
