@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -330,6 +333,139 @@ def code_being_compiled() -> Any:
     return None
 
 
+# -- failing open inside dynamo -----------------------------------------------------------
+#
+# What torch's ``torch._dynamo.config.suppress_errors`` does, scoped to autoweave's
+# regions (see ``_failopen``): a graph the backend fails on, or a frame dynamo
+# fails to convert, runs eager in the same call instead of raising. Dynamo
+# converts a frame before running it, so running that frame eager runs nothing twice.
+
+# dynamo's warning when it suppressed an error and runs the frame eager
+# (``format_error_msg`` in torch/_dynamo/exc.py, logged by ``ConvertFrame.__call__``).
+CONVERT_FRAME_LOGGER = "torch._dynamo.convert_frame"
+SUPPRESSED_NEEDLE = "WON'T CONVERT"
+
+
+@functools.cache
+def backend_errors_dynamo_handles() -> tuple[type[BaseException], ...]:
+    """What a backend may raise that dynamo acts on itself: a fail-open backend lets these through.
+
+    ``OutputGraph.call_user_compiler`` re-raises a restart, a skip, a failure
+    it already reported and ``IndexError`` (a dim out of range: the user's
+    error, raised as such), and turns the fake-tensor exceptions in
+    ``exceptions_allowed_to_be_fallback`` into a graph break.
+    """
+    found: list[type[BaseException]] = [IndexError]
+    for path in (
+        "torch._dynamo.exc.RestartAnalysis",
+        "torch._dynamo.exc.SkipFrame",
+        "torch._dynamo.exc.ShortenTraceback",
+    ):
+        try:
+            found.append(_first(path))
+        except UnsupportedTorch:
+            pass
+    try:
+        found.extend(_first("torch._dynamo.exc.exceptions_allowed_to_be_fallback"))
+    except (UnsupportedTorch, TypeError):
+        pass
+    return tuple(found)
+
+
+@functools.cache
+def _convert_frame_call_code() -> Any:
+    try:
+        from torch._dynamo import convert_frame
+
+        return inspect.unwrap(convert_frame.ConvertFrame.__call__).__code__
+    except (ImportError, AttributeError):
+        return None
+
+
+def _converting_code() -> Any:
+    """The code of the frame dynamo's ``ConvertFrame.__call__`` (up the stack) is converting, or None."""
+    import sys
+
+    target = _convert_frame_call_code()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is target:
+            return getattr(frame.f_locals.get("frame"), "f_code", None)
+        frame = frame.f_back
+    return None
+
+
+class _SuppressedErrors(logging.Filter):
+    """On dynamo's convert-frame logger: this thread's suppressed errors go to a callback, not the log.
+
+    Records the logger would not have shown (we may have lowered its level to
+    hear the warning) are dropped; everything else passes.
+    """
+
+    def __init__(self, on_error: Callable[[BaseException, Any], None], shown: int) -> None:
+        super().__init__()
+        self._on_error = on_error
+        self._shown = shown
+        self._thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (
+            record.thread in (self._thread, None)  # None: logging.logThreads is off
+            and record.levelno == logging.WARNING
+            and record.exc_info
+            and record.exc_info[1] is not None
+            and SUPPRESSED_NEEDLE in str(record.msg)
+        ):
+            self._on_error(record.exc_info[1], _converting_code())
+            return False
+        return record.levelno >= self._shown
+
+
+@contextmanager
+def suppressing_conversion_errors(on_error: Callable[[BaseException, Any], None]) -> Iterator[bool]:
+    """While inside, a frame dynamo fails to convert runs eager, told to ``on_error(exc, code)``.
+
+    torch's own ``suppress_errors`` (which, as torch does, makes dynamo skip
+    that code from then on; ``compile_again`` undoes it), with dynamo's warning
+    for this thread's frames replaced by the callback. Yields False, changing
+    nothing, where it cannot be done: on a torch without these names, or when
+    ``fail_on_recompile_limit_hit`` is set (torch rejects the two together).
+    The config is process-wide: another thread compiling meanwhile is suppressed too.
+    """
+    try:
+        import torch._dynamo.config as config
+    except ImportError:
+        yield False
+        return
+    if _convert_frame_call_code() is None or getattr(config, "fail_on_recompile_limit_hit", False):
+        yield False
+        return
+    log = logging.getLogger(CONVERT_FRAME_LOGGER)
+    shown, level = log.getEffectiveLevel(), log.level
+    listener = _SuppressedErrors(on_error, shown)
+    log.addFilter(listener)
+    if shown > logging.WARNING:
+        log.setLevel(logging.WARNING)  # to hear the warning; the filter drops what was hidden
+    try:
+        with config.patch(suppress_errors=True):
+            yield True
+    finally:
+        log.removeFilter(listener)
+        if shown > logging.WARNING and log.level == logging.WARNING:
+            log.setLevel(level)
+
+
+def compile_again(code: Any) -> None:
+    """Undo the skip dynamo put on ``code`` when it suppressed an error there: its next call compiles."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        reset_code(code)
+        return
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))
+
+
 # -- dynamo's log signals -----------------------------------------------------------------
 #
 # dynamo tells what autoweave must react to only in log records; each string is
@@ -447,7 +583,26 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
             "dynamo's graph_breaks log artifact",
             lambda: _source_has("torch._dynamo.symbolic_convert", '"graph_breaks"'),
         ),
+        ("torch._dynamo.config.suppress_errors", lambda: hasattr(_first("torch._dynamo.config"), "suppress_errors")),
+        ("torch._dynamo.convert_frame.ConvertFrame.__call__(frame, ...)", _convert_frame_argument),
+        (
+            f"dynamo's suppressed-error message {SUPPRESSED_NEEDLE!r}",
+            lambda: _source_has("torch._dynamo.exc", SUPPRESSED_NEEDLE),
+        ),
+        ("torch._C._dynamo.eval_frame.set_code_exec_strategy", _code_exec_strategy),
     )
+
+
+def _convert_frame_argument() -> bool:
+    code = _convert_frame_call_code()
+    return code is not None and "frame" in code.co_varnames[: code.co_argcount]
+
+
+def _code_exec_strategy() -> bool:
+    from torch._C._dynamo.eval_frame import set_code_exec_strategy  # noqa: F401
+    from torch._dynamo.types import FrameAction, FrameExecStrategy  # noqa: F401
+
+    return True
 
 
 def _self_check_once() -> list[str]:

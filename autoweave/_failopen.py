@@ -1,9 +1,13 @@
-"""One fail-open guard for bootstrap, hooks, planning and applying.
+"""One fail-open guard for bootstrap, hooks, planning, applying and compiling.
 
 On an exception the caller falls back to what plain torch would do. The user
 sees one warning per process on stderr (the logger may be silent, and a broken
 run must not be); the traceback goes to the logger at debug level. Strict mode
 re-raises instead.
+
+What fails while a forward runs (a woven region's compile) degrades where it
+failed, in that call: never by running the forward again, which would repeat
+its side effects, its RNG draws and, under FSDP, its collectives on one rank only.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from autoweave import _settings
+from autoweave import _compat, _settings
 from autoweave._log import logger, rank
 from autoweave._state import run
 
@@ -72,3 +77,109 @@ def warn_each(key: str, message: str) -> None:
         sys.stderr.write(f"autoweave[rank{rank()}]: {message}\n")
     except Exception:  # a closed stderr must not turn a warning into a crash
         pass
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line`` of an error; a line ending in ':' (dynamo's "backend='x' raised:") runs on."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    for line in lines[1:]:
+        if not text.endswith(":"):
+            break
+        text = f"{text} {line}"
+    text = text[:240]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class GraphGuard:
+    """A woven region's backend, failing open: a graph the backend fails on runs eager.
+
+    torch's ``suppress_errors`` answers a backend failure by running the whole
+    frame eager; this answers it for the one graph, in the same call: the
+    graph's own ``forward`` (what dynamo traced, run eagerly) takes the place of
+    the compiled graph, the other graphs stay compiled, one warning per kind
+    of failure. What dynamo acts on itself (a restart, a skip, a graph break,
+    a dim error of the user's) passes through; strict mode re-raises.
+
+    Two guards compare equal when the backends they wrap do: dynamo matches a
+    frame's cached graphs to the current backend with ``==`` (see the report's
+    ``_Counting``), so regions compiled one by one still share graphs.
+    """
+
+    def __init__(self, inner: Any, region: str) -> None:
+        self.inner = inner
+        self.region = region
+        # torch.compile names its wrapper after this (``compiler_name``): keep the inner one's.
+        self.__name__ = str(getattr(inner, "compiler_name", None) or getattr(inner, "__name__", "backend"))
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        try:
+            return self.inner(gm, example_inputs)
+        except _compat.backend_errors_dynamo_handles():
+            raise
+        except Exception as exc:
+            if _strict():
+                raise
+            why = _first_line(exc)
+            logger.debug("backend %s failed on a graph of %s", self.__name__, self.region, exc_info=exc)
+            warn_each(
+                f"graph:{why}",
+                f"[graph-eager] the backend {self.__name__!r} failed on a graph of the woven region "
+                f"{self.region} ({why}); that graph runs eager, the rest stays compiled. "
+                "Set AUTOWEAVE_STRICT=1 to raise, AUTOWEAVE_LOG_LEVEL=debug for the traceback.",
+            )
+            return gm.forward
+
+    @property
+    def _dynamo_backend_init(self) -> Any:  # torch 2.15: a backend's set-up hook, run at torch.compile()
+        return getattr(self.inner, "_dynamo_backend_init", None)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GraphGuard) and bool(self.inner == other.inner)
+
+    def __hash__(self) -> int:
+        return hash(type(self.inner))  # equal guards wrap equal backends, of one type
+
+    def reset(self) -> None:
+        reset = getattr(self.inner, "reset", None)
+        if reset is not None:
+            reset()
+
+
+class FailedFrames:
+    """The frames dynamo could not convert during a first call, each run eager instead."""
+
+    def __init__(self) -> None:
+        self.errors: list[tuple[BaseException, Any]] = []  # (exception, the frame's code or None)
+
+    def _add(self, exc: BaseException, code: Any) -> None:
+        self.errors.append((exc, code))
+
+    def compile_again(self) -> None:
+        """Dynamo skips a frame it failed on from then on: have each compiled at its next call."""
+        for _, code in self.errors:
+            if code is not None:
+                _compat.compile_again(code)
+
+    def describe(self) -> str:
+        """The first failure, for a warning: the frame and the first line of its error."""
+        exc, code = self.errors[0]
+        where = (
+            f"`{code.co_name}` ({code.co_filename}:{code.co_firstlineno})" if code is not None else "a frame"
+        )
+        return f"{where} ({_first_line(exc)})"
+
+
+@contextmanager
+def frames_fail_open() -> Iterator[FailedFrames]:
+    """While inside, a frame dynamo fails to convert runs eager and is recorded, not raised.
+
+    Dynamo converts a frame before running it, so running that one frame eager
+    repeats nothing; the rest of the call stays compiled. The caller decides,
+    once the call is over, whose failure it was: an exception that still
+    escaped is the model's own (eager raised it too), so the frames are
+    compiled again next time; a call that succeeded hit one of autoweave's.
+    """
+    failed = FailedFrames()
+    with _compat.suppressing_conversion_errors(failed._add):
+        yield failed

@@ -33,7 +33,7 @@ from autoweave import (
     report,
     weave,
 )
-from autoweave._failopen import AutoweaveError, _strict, guard, warn_each
+from autoweave._failopen import AutoweaveError, FailedFrames, _strict, frames_fail_open, guard, warn_each
 from autoweave._log import logger
 from autoweave._state import run as _run
 
@@ -207,7 +207,7 @@ class _Dispatcher:
         self._fingerprint: tuple | None = None
         self._applied: weave.Applied | None = None
         self._trial = False  # the woven regions have not run yet: their compile may still fail
-        self.fell_back = False  # the weave failed at its first call: plain torch until the tree changes
+        self.fell_back = False  # fullgraph=True met a break autoweave does not compile around: plain torch
         self._watch_first_call = False
         self._pending: planner.Plan | None = None
         self._called = False
@@ -217,7 +217,7 @@ class _Dispatcher:
         self._call_traced = True  # torch.compile(module) traces __call__; in-place compile does not
         # What a first-call fallback taught (modules that break, planning options): kept for re-plans.
         self._learned: dict[str, Any] = {}
-        self._fullgraph_error: BaseException | None = None
+        self.call = self._make_call()  # what torch's compiled forward slot holds: see _make_call
         _run.live.add(self)
 
     # How the dispatcher is put in place -------------------------------------------------
@@ -227,7 +227,7 @@ class _Dispatcher:
         plain_forward = optimized.forward
         target = optimized._orig_mod
         dispatcher = cls(target, compile_kwargs, lambda: plain_forward, target.__call__)
-        optimized.forward = dispatcher
+        optimized.forward = dispatcher.call
         _instances.attach(optimized, dispatcher)
         # copy.deepcopy(optimized) rebuilds a plain OptimizedModule: weave the copy too.
         optimized.__dict__["__deepcopy__"] = _instances.CopyHook(optimized, _rebuild_copy)
@@ -243,7 +243,7 @@ class _Dispatcher:
         dispatcher._call_traced = False
         # nn.Module drops _compiled_call_impl when pickled or copied, so a copy
         # is what plain torch makes: an uncompiled module.
-        module._compiled_call_impl = dispatcher
+        module._compiled_call_impl = dispatcher.call
         _instances.attach(module, dispatcher)
 
     # The call path ----------------------------------------------------------------------
@@ -270,26 +270,42 @@ class _Dispatcher:
             return True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.ensure_decided() and self._called and _run.summary_pending:
-            plan_log.next_call(self)  # called again: every block has planned; log the one summary
-        self._called = True
-        if self._applied is not None:
-            if self._trial:
-                return self._first_woven_call(args, kwargs)
-            return self._eager(*args, **kwargs)
-        plain = self._plain
-        if plain is None:
-            with self._lock:
-                if self._plain is None:
-                    self._plain = self._make_plain()
-                plain = self._plain
-        if not self._watch_first_call:
-            return plain(*args, **kwargs)
-        with self._lock:
-            watching, self._watch_first_call = self._watch_first_call, False
-        if not watching:
-            return plain(*args, **kwargs)
-        return self._watched(plain, args, kwargs)
+        return self.call(*args, **kwargs)
+
+    def _make_call(self) -> Callable[..., Any]:
+        """The compiled forward as a plain function, closed over this dispatcher (``self.call``).
+
+        What torch stores behind a compiled module (``OptimizedModule.forward``,
+        ``module._compiled_call_impl``) is a function, and code that looks there
+        goes by it: TorchScript skips a function it cannot script, but types any
+        other object from ``nn.Module``'s annotation and fails. A closure costs no
+        more per call than the dispatcher's own ``__call__``.
+        """
+        dispatcher = self
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not dispatcher.ensure_decided() and dispatcher._called and _run.summary_pending:
+                plan_log.next_call(dispatcher)  # called again: every block has planned; log the one summary
+            dispatcher._called = True
+            if dispatcher._applied is not None:
+                if dispatcher._trial:
+                    return dispatcher._first_woven_call(args, kwargs)
+                return dispatcher._eager(*args, **kwargs)
+            plain = dispatcher._plain
+            if plain is None:
+                with dispatcher._lock:
+                    if dispatcher._plain is None:
+                        dispatcher._plain = dispatcher._make_plain()
+                    plain = dispatcher._plain
+            if not dispatcher._watch_first_call:
+                return plain(*args, **kwargs)
+            with dispatcher._lock:
+                watching, dispatcher._watch_first_call = dispatcher._watch_first_call, False
+            if not watching:
+                return plain(*args, **kwargs)
+            return dispatcher._watched(plain, args, kwargs)
+
+        return call
 
     def _watched(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Run a first call listening for dynamo's AC fallback; on one, re-plan around the break."""
@@ -301,60 +317,56 @@ class _Dispatcher:
         return out
 
     def _first_woven_call(self, args: tuple, kwargs: dict) -> Any:
-        """The woven regions compile now: a failure plain torch would not hit falls back to it.
+        """The woven regions compile now, in a call that runs once, whatever fails.
+
+        Never again on another path: the forward's side effects, its RNG draws
+        and, under FSDP, its collectives (on this rank only) would happen twice.
+        A failure of autoweave's own degrades where it happens, in this call: a
+        graph the backend fails on runs eager (``GraphGuard``), a frame dynamo
+        cannot convert runs eager from then on (``frames_fail_open``), the rest
+        stays compiled. An exception that still escapes is the model's own (a
+        shape error, a raise in its forward: eager raised it, as plain torch
+        would): it propagates untouched, and the next call is a first call again.
 
         Also the second safety net: a region compiled under a pushed-down
         checkpoint may still hold a break nobody located yet (a second one in
         the same block); dynamo's fallback message then re-plans around it too.
         """
         allowed = self._allowed_breaks()
-        try:
-            if allowed is None:
-                out = self._watched(self._eager, args, kwargs)
-            else:
-                with _where.recording_graph_breaks() as seen:
-                    out = self._watched(self._eager, args, kwargs)
-                self._check_fullgraph(seen, allowed)
-        except Exception as exc:
-            if exc is self._fullgraph_error:
-                raise  # the user's break under fullgraph=True: theirs to fix, as in plain torch
-            name = plan_log.name_of(self)
-            if _strict():
-                raise AutoweaveError(
-                    f"autoweave: the woven regions of {name} failed at their first call"
-                ) from exc
-            with self._lock:
-                plan = self.plan
-                self.release()
+        with frames_fail_open() as failed:
             try:
-                out = self._run_plain(args, kwargs)
-            except Exception:
-                # Plain torch fails on this call too: the error is the model's,
-                # not the weave's. Keep the weave; raise what plain torch raised.
-                with self._lock, guard(f"re-weaving {type(self.target).__name__}"):
-                    if plan is not None and self._applied is None:
-                        self._apply(plan)
-                        self._trial = True
+                if allowed is None:
+                    out = self._watched(self._eager, args, kwargs)
+                else:
+                    with _where.recording_graph_breaks() as seen:
+                        out = self._watched(self._eager, args, kwargs)
+            except BaseException:
+                failed.compile_again()  # dynamo skipped them on the model's error: compile them next call
                 raise
-            first_line = (str(exc).splitlines() or [""])[0]
-            why = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
-            with self._lock:
-                self.fell_back = True
-                if plan is not None:
-                    self.plan = plan.plain_instead(
-                        f"woven regions failed at their first call ({why}): compiled as plain torch.compile would"
-                    )
-                    plan_log.record_plan(self, self.plan, plain_label=report.plain_label(self.target))
-            warn_each(
-                f"first-call:{id(self)}",
-                f"[weave-failed] the compiled regions of {name} failed at their "
-                f"first call ({why}); it runs as plain torch.compile would from now on. "
-                "Set AUTOWEAVE_STRICT=1 to raise, AUTOWEAVE_LOG_LEVEL=debug for the traceback.",
-            )
-            logger.debug("woven call of %s failed", type(self.target).__name__, exc_info=exc)
-            return out
+        if allowed is not None:
+            self._check_fullgraph(seen, allowed)
+        if failed.errors:
+            self._on_failed_frames(failed)
         self._trial = False
         return out
+
+    def _on_failed_frames(self, failed: FailedFrames) -> None:
+        """The first call ran, some frame eager in place of its compile: autoweave's failure, told once."""
+        name = plan_log.name_of(self)
+        for exc, code in failed.errors:
+            logger.debug("%s: dynamo could not compile %s", name, getattr(code, "co_name", "a frame"), exc_info=exc)
+        if _strict():
+            failed.compile_again()
+            raise AutoweaveError(
+                f"autoweave: dynamo could not compile {failed.describe()} of the woven regions of {name} "
+                "at their first call"
+            ) from failed.errors[0][0]
+        warn_each(
+            f"first-call:{id(self)}",
+            f"[region-eager] dynamo could not compile {failed.describe()} of the woven regions of {name} "
+            "at their first call; it runs eager from now on, the rest stays compiled. "
+            "Set AUTOWEAVE_STRICT=1 to raise, AUTOWEAVE_LOG_LEVEL=debug for the traceback.",
+        )
 
     def _allowed_breaks(self) -> set[str] | None:
         """Under ``fullgraph=True`` with a region that splits: the lines where a break is allowed.
@@ -380,19 +392,11 @@ class _Dispatcher:
                 self.plan = plan.plain_instead("fullgraph=True and a graph break outside the boundaries")
                 plan_log.record_plan(self, self.plan, plain_label=report.plain_label(self.target))
         first = unexpected[0]
-        error = _compat.fullgraph_break(
+        raise _compat.fullgraph_break(
             f"fullgraph=True: graph break at {first.site} ({first.reason or 'see TORCH_LOGS=graph_breaks'}); "
             "autoweave compiles around boundaries only"
             + (f" (here: {', '.join(sorted(allowed))})" if allowed else "")
         )
-        self._fullgraph_error = error
-        raise error
-
-    def _run_plain(self, args: tuple, kwargs: dict) -> Any:
-        with self._lock:
-            if self._plain is None:
-                self._plain = self._make_plain()
-        return self._plain(*args, **kwargs)
 
     def _mode_and_strategy(self) -> tuple[str, str]:
         """The weave mode and AC strategy for this target: ``set_mode`` first, then the settings."""

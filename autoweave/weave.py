@@ -17,7 +17,9 @@ import torch.nn as nn
 
 from autoweave import _compat
 from autoweave._codegen import on_own_code
+from autoweave._failopen import GraphGuard
 from autoweave._instances import install_forward, restore_forward
+from autoweave._log import logger
 from autoweave._state import run
 from autoweave.boundaries import own_forward, user_forward
 from autoweave.pieces import CheckpointPieces
@@ -32,6 +34,15 @@ Instrument = Callable[[dict[str, Any], str], dict[str, Any]]
 
 def _as_asked(kwargs: dict[str, Any], label: str) -> dict[str, Any]:
     return kwargs
+
+
+def _failing_open(kwargs: dict[str, Any], label: str) -> dict[str, Any]:
+    """The region's compile kwargs with its backend failing open, graph by graph (``GraphGuard``)."""
+    try:
+        return _compat.wrap_backend(kwargs, lambda inner: GraphGuard(inner, label))
+    except _compat.UnsupportedTorch as exc:  # AOTInductor options: compiled as asked, unguarded
+        logger.debug("region %s: backend not guarded (%s)", label, exc)
+        return kwargs
 
 
 # Every region runs on a code object of its own (``_codegen.on_own_code``):
@@ -190,7 +201,8 @@ def _region_forward(
     own = own_forward(module)
     if own is not None:
         label = _label(decision.path, module)
-        return compile_fn(_private_region(own, checkpoint_fn, label), **instrument(kwargs, label)), label
+        region = _private_region(own, checkpoint_fn, label)
+        return compile_fn(region, **_failing_open(instrument(kwargs, label), label)), label
     key = _region_key(module, decision, kwargs)
     _shared = run.shared_regions
     if key not in _shared:
@@ -200,7 +212,7 @@ def _region_forward(
                 on_own_code(type(module).forward, label)
                 if decision.splits and checkpoint_fn is None and _user_code(type(module).forward)
                 else _shared_region(type(module).forward, checkpoint_fn, label),
-                **instrument(kwargs, label),
+                **_failing_open(instrument(kwargs, label), label),
             ),
             label,
         )

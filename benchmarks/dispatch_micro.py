@@ -2,7 +2,8 @@
 
 A companion to ``dispatch_bench.py`` that isolates the dispatcher: one AC-wrapped layer with N
 child modules and a trivial forward, compiled with ``backend="eager"`` once inside
-``autoweave.disabled()`` (plain torch) and once with autoweave on; nothing to weave. Calls are
+``autoweave.disabled()`` (plain torch) and once with autoweave on; nothing to weave. ``--compile``
+picks ``torch.compile(layer)`` (``wrap``, the default) or ``layer.compile()`` (``inplace``). Calls are
 timed interleaved, in blocks of ``--calls``, by the calling thread's CPU time, forward only under
 ``no_grad``. Prints a table (and ``--json``); run it with another checkout on ``PYTHONPATH`` to
 measure that build.
@@ -34,10 +35,18 @@ class Layer(nn.Module):
         return x + 1
 
 
-def measure(n: int, rounds: int, calls: int) -> dict[str, float]:
+def _compiled(n: int, style: str) -> nn.Module:
+    layer = cw.checkpoint_wrapper(Layer(n))
+    if style == "wrap":
+        return torch.compile(layer, backend="eager")
+    layer.compile(backend="eager")
+    return layer
+
+
+def measure(n: int, rounds: int, calls: int, style: str = "wrap") -> dict[str, float]:
     with autoweave.disabled():
-        plain = torch.compile(cw.checkpoint_wrapper(Layer(n)), backend="eager")
-    ours = torch.compile(cw.checkpoint_wrapper(Layer(n)), backend="eager")
+        plain = _compiled(n, style)
+    ours = _compiled(n, style)
     x = torch.randn(2, 2)
     times: dict[str, list[float]] = {"plain": [], "autoweave": []}
     with torch.no_grad():
@@ -60,12 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--submodules", default="8,128,1024")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--compile", choices=("wrap", "inplace"), default="wrap")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     autoweave.enable()
-    rows = [measure(int(n), args.rounds, args.calls) for n in args.submodules.split(",")]
-    print(f"autoweave {autoweave.__version__}, torch {torch.__version__}: per call, median thread CPU time")
+    rows = [measure(int(n), args.rounds, args.calls, args.compile) for n in args.submodules.split(",")]
+    print(
+        f"autoweave {autoweave.__version__}, torch {torch.__version__}, {args.compile} compile: "
+        "per call, median thread CPU time"
+    )
     print("| submodules | plain µs/call | autoweave µs/call | added µs/call | ratio |")
     print("|--:|--:|--:|--:|--:|")
     for r in rows:

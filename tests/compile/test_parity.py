@@ -16,8 +16,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import _state, capture, runtime, weave
-from autoweave._failopen import AutoweaveError
+from autoweave import _state, capture, runtime
 from tests.models import Block
 
 
@@ -218,54 +217,24 @@ def _strict_settings():
     return Settings.from_environ({**os.environ, "AUTOWEAVE": "1", "AUTOWEAVE_STRICT": "1"})
 
 
-def _failing_region_forward(monkeypatch):
-    """Every woven region raises at its first call, as a compile error would."""
-    real = weave._region_forward
-    calls = []
-
-    def broken(module, decision, compile_fn, kwargs, instrument):
-        forward, label = real(module, decision, compile_fn, kwargs, instrument)
-
-        def fails(*args, **kw):
-            calls.append(label)
-            raise RuntimeError("injected region failure")
-
-        return fails, label
-
-    monkeypatch.setattr(weave, "_region_forward", broken)
-    return calls
-
-
-def test_a_region_failing_at_its_first_call_falls_back_to_plain_torch(monkeypatch, capfd):
-    calls = _failing_region_forward(monkeypatch)
-    torch.manual_seed(0)
-    x = torch.randn(4, 8)
-    block = MarkedBlock()
-    with autoweave.disabled():
-        reference = torch.compile(cw.checkpoint_wrapper(copy.deepcopy(block)), backend="aot_eager")
-    expected = [_step(reference, x) for _ in range(2)]
-    model = torch.compile(cw.checkpoint_wrapper(block), backend="aot_eager")
-    got = [_step(model, x) for _ in range(2)]
-    assert calls, "the injected failure never ran"
-    for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(a, b)
-    dispatcher = runtime.dispatcher_of(model)
-    assert dispatcher.fell_back and not dispatcher.woven
-    assert not dispatcher.plan.woven and "failed at their first call" in dispatcher.plan.decisions[0].reason
-    err = capfd.readouterr().err
-    assert err.count("[weave-failed]") == 1
-    assert "MarkedBlock" in err and "injected region failure" in err
-
-
-def test_a_region_failing_in_strict_mode_raises(monkeypatch):
-    _failing_region_forward(monkeypatch)
-    from autoweave import _settings
-
-    monkeypatch.setattr(_settings, "_current", _strict_settings())
-    model = torch.compile(cw.checkpoint_wrapper(MarkedBlock()), backend="aot_eager")
-    with pytest.raises(AutoweaveError) as info:
-        model(torch.randn(4, 8))
-    assert isinstance(info.value.__cause__, RuntimeError)
+@pytest.mark.parametrize("called", [False, True], ids=["fresh", "after-forward"])
+@pytest.mark.parametrize("make", [nn.Tanh, lambda: nn.Linear(2, 2)], ids=["tanh", "linear"])
+def test_torch_jit_script_after_an_in_place_compile_scripts_as_plain_torch(make, called):
+    x = torch.randn(3, 2)
+    scripted = {}
+    for on in (False, True):
+        torch.manual_seed(0)
+        module = make()
+        if on:
+            module.compile()
+        else:
+            with autoweave.disabled():
+                module.compile()
+        if called:
+            module(x)
+        scripted[on] = torch.jit.script(module)
+    assert runtime.dispatcher_of(module) is not None  # the module scripted was autoweave's
+    torch.testing.assert_close(scripted[True](x), scripted[False](x))
 
 
 class Picky(MarkedBlock):
