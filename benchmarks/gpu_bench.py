@@ -123,12 +123,15 @@ def _adjust_torch_for_one_rank() -> None:
     all-gather ranges), so eager selective AC fails in backward ("profiler._record_function_enter_new.
     default invocation index 2 ... not found in storage"; the example fails so on one rank, not on two).
     Those ops only mark profiler ranges: selective AC is told to skip them (SAC_IGNORED_OPS).
+    And the experts' grouped GEMMs are aten::_grouped_mm, which measure.GEMM_OPS predates.
     """
     profiler = torch.ops.profiler
     ignored = getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", set())
     ignored.update(
         {profiler._record_function_enter_new.default, profiler._record_function_exit._RecordFunction}
     )
+    if "aten::_grouped_mm" not in measure.GEMM_OPS:
+        measure.GEMM_OPS = (*measure.GEMM_OPS, "aten::_grouped_mm")
 
 
 def save_list_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

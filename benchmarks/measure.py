@@ -1,4 +1,4 @@
-"""Benchmark-side measures: GEMMs run outside compiled graphs, and the C heap in use.
+"""Benchmark-side measures: GEMMs run outside compiled graphs or in backward, and the C heap in use.
 
 The run-time side (graphs, ops, fallbacks) is ``autoweave.capture``; these need
 the profiler or ctypes and only benchmarks and tests ask for them.
@@ -9,7 +9,10 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::_grouped_mm")
+# Not aten::_grouped_mm: off CUDA (and in bf16-less paths) it loops over aten::mm, and a GEMM
+# nested in a GEMM counts once, so an eager grouped GEMM would count 1 where its compiled
+# decomposition counts one per expert. gpu_bench adds it where it is a kernel of its own.
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
 # AOTAutograd runs every compiled graph (aot_eager and inductor alike) inside
 # this autograd function; its profiler range is exactly "inside a graph".
 COMPILED_RANGE = "CompiledFunction"
