@@ -18,14 +18,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-# dynamo's graph-break artifact logger (``getArtifactLogger(__name__, "graph_breaks")``
-# in torch/_dynamo/symbolic_convert.py); one record per graph break, with the user stack.
-GRAPH_BREAK_LOGGER = "torch._dynamo.symbolic_convert.__graph_breaks"
+from autoweave._compat import GRAPH_BREAK_LOGGER, HOP_CHECKPOINT_NOTE  # dynamo's log signals
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _AT = re.compile(r"in user code at (.+?):(\d+)")
 _REASON = re.compile(r"Graph Break Reason: (.*)")
-# The note dynamo adds to a break raised inside a higher-order op's body.
-_HOP_CHECKPOINT = "Higher Order Operator: torch.utils.checkpoint"
 
 
 @dataclass(frozen=True)
@@ -283,7 +280,7 @@ def graph_break_sites(reasons: Any = ()) -> dict[str, list[str]]:
 
 def fallback_sites() -> list[str]:
     """The user lines of breaks inside a traced checkpoint: where checkpointed regions fell back to eager."""
-    return sorted({s.site for s in _sites() if _HOP_CHECKPOINT in s.text})
+    return sorted({s.site for s in _sites() if HOP_CHECKPOINT_NOTE in s.text})
 
 
 def first_site(sites: dict[str, list[str]], first_line: str) -> str:

@@ -14,11 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-FALLBACK_LOGGER = "torch._dynamo.variables.higher_order_ops"
-FALLBACK_NEEDLE = "fall back to eager-mode PyTorch"
-# dynamo's warning when a frame's cache is full and it runs eager from then on.
-RECOMPILE_LIMIT_LOGGER = "torch._dynamo.convert_frame"
-RECOMPILE_LIMIT_NEEDLE = "hit config."
+# dynamo's log signals, named where every private torch name is (``_compat``).
+from autoweave._compat import (  # noqa: F401 - re-exported for the runtime, report and tests
+    FALLBACK_LOGGER,
+    FALLBACK_NEEDLE,
+    RECOMPILE_LIMIT_LOGGER,
+    RECOMPILE_LIMIT_NEEDLE,
+)
 
 
 @dataclass
