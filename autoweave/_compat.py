@@ -645,3 +645,87 @@ def checkpointed_function_class() -> type | None:
         return _first("torch.utils.checkpoint._CheckpointedFunction")
     except UnsupportedTorch:
         return None
+
+
+# -- activation memory: saved-tensor hooks, the SAC policy, fake tensors ---------------------
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Are saved-tensor hooks in force here (a user's, or an eager checkpoint's around this call)?
+
+    A measure that installs its own would shadow them: autoweave then does not measure.
+    """
+    import torch
+
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True  # cannot tell: assume so, and do not measure
+    try:
+        return top(True) is not None
+    except TypeError:  # an older signature, without the tracing flag
+        return top() is not None
+
+
+@functools.cache
+def _sac_forward_mode() -> type | None:
+    try:
+        return _first("torch.utils.checkpoint._CachingTorchDispatchMode")
+    except UnsupportedTorch:
+        return None
+
+
+def observe_sac_policy(contexts: Any, observe: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Swap the policy of torch's SAC forward context in ``contexts`` for ``observe(policy)``.
+
+    ``contexts`` is what a ``context_fn`` returned, ``(forward, recompute)``;
+    only the forward one (``create_selective_checkpoint_contexts``'s caching
+    mode, whose ``policy_fn`` it calls for every op) is changed, so the
+    recompute context decides as before. False when it is not torch's.
+    """
+    mode_cls = _sac_forward_mode()
+    forward = contexts[0] if isinstance(contexts, tuple) and contexts else None
+    if mode_cls is None or not isinstance(forward, mode_cls) or not callable(getattr(forward, "policy_fn", None)):
+        return False
+    forward.policy_fn = observe(forward.policy_fn)
+    return True
+
+
+def fake_tensor_mode() -> Any:
+    """A fresh ``FakeTensorMode`` of autoweave's own (no shape env: static shapes), for inspecting a graph.
+
+    A real tensor a graph holds as a constant is made fake when an op meets it.
+    """
+    return _first("torch._subclasses.fake_tensor.FakeTensorMode")(allow_non_fake_inputs=True)
+
+
+def storage_key(tensor: Any) -> Any:
+    """What identifies ``tensor``'s storage (shared by its views), fake tensors included; None if none."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except Exception:  # a subclass without one storage (a DTensor), a sparse tensor
+        return None
+
+
+def returns_fresh_storage(op: Any, index: int) -> bool:
+    """Does output ``index`` of aten op ``op`` have storage of its own (no view of, or write into, an input)?"""
+    try:
+        returns = op._schema.returns
+        return returns[index].alias_info is None if index < len(returns) else True
+    except AttributeError:  # not an OpOverload (a higher-order operator)
+        return True
+
+
+def size_hint(value: Any) -> int | None:
+    """An int for a size, a symbolic one read from its hint (never guarded on); None if it has none."""
+    if isinstance(value, int):
+        return value
+    hint = getattr(getattr(value, "node", None), "hint", None)
+    return int(hint) if isinstance(hint, int) else None
+
+
+def is_fake(tensor: Any) -> bool:
+    """Is ``tensor`` a fake tensor (dynamo's or AOTAutograd's tracing, or autoweave's own inspection)?"""
+    try:
+        return bool(_first("torch._subclasses.fake_tensor.is_fake")(tensor))
+    except UnsupportedTorch:
+        return False

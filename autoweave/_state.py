@@ -29,8 +29,13 @@ class RunState:
         self.warned_keys: set[str] = set()
         # breaks: forward code object -> why it breaks (what one block taught the others).
         self.learned_breaks: dict[Any, str] = {}
+        # memory: kind of block -> what its pieces were measured to hold against eager SAC.
+        self.learned_memory: dict[tuple, Any] = {}
         # weave: region key -> (compiled region, label); identical blocks share one.
         self.shared_regions: dict[tuple, tuple[Any, str]] = {}
+        # pieces: region label -> what its compile had to do differently (a piece left
+        # unchecked, say), for the plan log and the report.
+        self.region_notes: dict[str, list[str]] = {}
         # plan_log: id(dispatcher) -> its latest plan entry; not yet summarised; a summary waiting.
         self.plans: dict[int, Any] = {}
         self.unsummarised: list[int] = []

@@ -13,11 +13,20 @@ it was written for, and no checkpoint contains a break.
 
 What it costs: a piece's inputs are kept for its backward (the whole block
 kept only its input), so activation memory grows by the tensors that cross a
-break (``benchmarks/`` measure it against eager selective AC).
+break. ``memory`` measures it at a block's first call against what eager
+selective AC would keep (its input, and the outputs the policy saves: this
+backend tells it, having watched the policy while the pieces were traced);
+``benchmarks/sac_memory.py`` measures both on whole models.
+
+A piece that changes in place an input backward needs is compiled without the
+checkpoint (see ``changed_inputs_backward_needs``); a policy that raises while a
+piece is traced is the user's error: that piece runs as plain torch runs it,
+eager under the checkpoint, where the policy raises again.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -25,19 +34,10 @@ from typing import Any
 from autoweave import _compat
 from autoweave._failopen import _strict, warn_each
 from autoweave._log import logger
+from autoweave._state import run
 
 # The keyword options of torch.utils.checkpoint that the operator takes as they are.
 _OPTIONS = ("preserve_rng_state", "determinism_check", "debug")
-# In-place operators dynamo writes as functions (``x += y``, ``x[i] = y``).
-_INPLACE_OPERATORS = {
-    operator.iadd,
-    operator.isub,
-    operator.imul,
-    operator.itruediv,
-    operator.ifloordiv,
-    operator.ipow,
-    operator.setitem,
-}
 
 
 def _has_ops(gm: Any) -> bool:
@@ -58,32 +58,107 @@ def _returns_only_tensors(gm: Any) -> bool:
     )
 
 
-def _mutates_a_grad_input(gm: Any, example_inputs: Any) -> bool:
-    """Does the piece change, in place, an input that requires grad? (Heuristic: views not followed.)
+# -- inputs changed in place ---------------------------------------------------------------
+#
+# A checkpointed piece keeps its inputs to recompute from them in backward. One
+# that changes an input in place (``relu(y, inplace=True)``, ``y.view(-1).add_(1)``,
+# ``y[i] = v``, ``torch.mul(y, 2, out=y)``, ``y.copy_(...)``) destroys what its
+# recompute needs: backward fails ("modified by an inplace operation") or
+# would apply the change twice. Which inputs a graph changes is read from the
+# graph itself, not from op names: it runs once on fake copies of its inputs,
+# and autograd's version counter, which every in-place write bumps (through
+# any view: views share their base's counter), tells which changed.
 
-    Inside the checkpoint operator that fails at backward ("modified by an
-    inplace operation"), and any recompute would apply the change twice.
+
+def _fake_copies(mode: Any, values: Any) -> list[Any]:
+    import torch
+
+    return [mode.from_tensor(v).detach().clone() if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def _tensors(value: Any) -> list[Any]:
+    import torch
+    import torch.fx as fx
+
+    found: list[Any] = []
+    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
+    return found
+
+
+def changed_inputs_backward_needs(gm: Any, example_inputs: Any) -> list[int] | None:
+    """Indexes of ``gm``'s inputs that it changes in place and that backward needs; None if unknown.
+
+    An input backward needs is one that requires grad, or one read by an op
+    whose result depends on one that does (its value is saved, or recomputed
+    from). A buffer only counted into (``self.load += counts``) is changed but
+    not needed: its piece stays checkpointed.
+
+    The fake run is without autograd (a nested checkpoint then just runs its
+    body); which results depend on an input that requires grad is followed
+    from node to node instead.
     """
-    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
-    grad_inputs = {
-        node
-        for node, value in zip(placeholders, example_inputs, strict=False)
-        if getattr(value, "requires_grad", False)
-    }
-    for node in gm.graph.nodes:
-        if node.op == "call_method":
-            name = str(node.target)
-        elif node.op == "call_function":
-            if node.target in _INPLACE_OPERATORS:
-                name = "_"
-            else:
-                name = getattr(node.target, "__name__", "")
-        else:
-            continue
-        inplace = name.endswith("_") and not name.endswith("__")
-        if inplace and node.args and node.args[0] in grad_inputs:
-            return True
-    return False
+    import torch
+    import torch.fx as fx
+
+    mode = _compat.fake_tensor_mode()
+    graded: set[int] = set()  # ids of fake results that depend on an input requiring grad
+    read_for_grad: set[Any] = set()  # storages read by an op whose result does
+
+    class Reading(fx.Interpreter):
+        def run_node(self, node: Any) -> Any:
+            out = super().run_node(node)
+            if node.op in ("call_function", "call_method", "call_module"):
+                args = _tensors(self.fetch_args_kwargs_from_env(node))
+                if any(id(t) in graded for t in args):
+                    graded.update(id(t) for t in _tensors(out))
+                    read_for_grad.update(_compat.storage_key(t) for t in args)
+            return out
+
+    try:
+        with mode, torch.no_grad():
+            copies = _fake_copies(mode, example_inputs)
+            graded.update(
+                id(c)
+                for c, v in zip(copies, example_inputs, strict=True)
+                if getattr(v, "requires_grad", False)
+            )
+            needs_grad = set(graded)
+            versions = [c._version if isinstance(c, torch.Tensor) else None for c in copies]
+            Reading(gm).run(*copies)
+    except Exception as exc:  # a graph the fake run cannot take: assume the worst
+        logger.debug("could not tell which inputs a piece changes in place", exc_info=exc)
+        return None
+    return [
+        i
+        for i, (copy, version) in enumerate(zip(copies, versions, strict=True))
+        if version is not None
+        and copy._version != version
+        and (id(copy) in needs_grad or _compat.storage_key(copy) in read_for_grad)
+    ]
+
+
+# -- what the policy saves -----------------------------------------------------------------
+
+
+def _saves(decision: Any) -> bool:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return decision is True or decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+
+def _fresh_bytes(op: Any, output: Any) -> int | None:
+    """Bytes of the outputs of ``op`` with storage of their own (what SAC keeps when it saves them)."""
+    outputs = output if isinstance(output, (tuple, list)) else (output,)
+    total = 0
+    for index, value in enumerate(outputs):
+        for tensor in _tensors(value):
+            if not _compat.returns_fresh_storage(op, index):
+                continue
+            numel = _compat.size_hint(tensor.numel())
+            if numel is None:
+                return None
+            total += numel * tensor.element_size()
+    return total
 
 
 class CheckpointPieces:
@@ -91,9 +166,13 @@ class CheckpointPieces:
 
     One object per (inner backend, checkpoint): dynamo guards on the backend's
     identity, so identical blocks must share it to share their graphs.
+
+    While the pieces are traced it also learns, for ``memory``, what eager
+    selective AC would keep of them: the bytes of the outputs the user's policy
+    saves (``policy_saved_bytes``; None when that cannot be told).
     """
 
-    def __init__(self, inner: Callable[..., Any], checkpoint_fn: Any) -> None:
+    def __init__(self, inner: Callable[..., Any], checkpoint_fn: Any, label: str = "") -> None:
         self.inner = inner
         keywords = dict(getattr(checkpoint_fn, "keywords", {}) or {})
         self.context_fn = keywords.pop("context_fn", None)
@@ -101,21 +180,48 @@ class CheckpointPieces:
             self.context_fn = None  # full AC: the operator's own always-recompute policy
         self.options = {k: v for k, v in keywords.items() if k in _OPTIONS}
         self.__name__ = f"checkpoint_pieces({getattr(inner, '__name__', 'backend')})"
+        self.label = label  # the region's label: notes about its pieces are kept under it
+        # Per checkpointed graph, the bytes its policy saved in its latest trace
+        # (AOTAutograd may trace a graph more than once); None: cannot be told.
+        self._saved_by_policy: list[list[int | None]] = []
+        self._graphs = 0
+        self._raised: list[BaseException] = []  # raised by the user's context_fn or policy while tracing
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         if not _has_ops(gm):
             return self.inner(gm, example_inputs)  # nothing to checkpoint
+        self._graphs += 1
         if not _returns_only_tensors(gm):
             logger.info("a piece of a woven region returns non-tensors: compiled without its checkpoint")
             return self.inner(gm, example_inputs)
-        if _mutates_a_grad_input(gm, example_inputs):
-            # Recomputing it would change that input a second time: compiled
-            # without the checkpoint (its activations are kept), numerics intact.
-            logger.info("a piece of a woven region changes an input in place: compiled without its checkpoint")
+        changed = changed_inputs_backward_needs(gm, example_inputs)
+        if changed is None or changed:
+            # Its recompute would start from inputs it destroyed: compiled without
+            # the checkpoint (its activations are kept), numerics intact.
+            why = (
+                "it may change an input in place (the graph could not be run on fake inputs to tell)"
+                if changed is None
+                else f"it changes {'an input' if len(changed) == 1 else f'{len(changed)} inputs'} "
+                "in place that backward needs"
+            )
+            self.note(
+                f"piece {self._graphs} compiled without its checkpoint: {why}; its activations are kept"
+            )
             return self.inner(gm, example_inputs)
+        del self._raised[:]
         try:
             return self.inner(self.wrap(gm), example_inputs)
         except Exception as exc:
+            if self._users(exc):
+                # The user's policy (or context_fn) raised: not autoweave's to report.
+                # The piece runs as plain torch runs it, eager under the same
+                # checkpoint, where the policy raises (or not) when the checkpoint runs.
+                logger.info(
+                    "the selective-AC policy raised %s while a piece compiled; that piece runs eager under "
+                    "its checkpoint, as plain torch runs it",
+                    type(exc).__name__,
+                )
+                return self.eager(gm)
             if _strict():
                 raise
             # Never a crash plain torch would not have had, nor a checkpoint lost:
@@ -129,6 +235,74 @@ class CheckpointPieces:
                 "Set AUTOWEAVE_STRICT=1 to raise, AUTOWEAVE_LOG_LEVEL=debug for the traceback.",
             )
             return self.eager(gm)
+        finally:
+            del self._raised[:]
+
+    @property
+    def policy_saved_bytes(self) -> int | None:
+        """Bytes of the outputs the user's policy saves in this region's checkpointed pieces, as traced."""
+        if self.context_fn is None or any(slot[0] is None for slot in self._saved_by_policy):
+            return None
+        return sum(slot[0] or 0 for slot in self._saved_by_policy)
+
+    @property
+    def traced(self) -> bool:
+        """Has dynamo handed this backend a graph with ops yet?"""
+        return self._graphs > 0
+
+    def note(self, text: str) -> None:
+        """Something the plan log and the report should say about this region's pieces."""
+        logger.info("%s: %s", self.label or "a woven region", text)
+        notes = run.region_notes.setdefault(self.label, [])
+        if text not in notes:
+            notes.append(text)
+
+    def _users(self, exc: BaseException) -> bool:
+        """Was ``exc`` (or an error it was raised from) raised by the user's context_fn or policy?"""
+        seen: set[int] = set()
+        current: BaseException | None = exc
+        while current is not None and id(current) not in seen:
+            if any(current is raised for raised in self._raised):
+                return True
+            seen.add(id(current))
+            current = current.__cause__ or current.__context__
+        return False
+
+    def _traced_context_fn(self) -> Any:
+        """The user's ``context_fn`` as the operator calls it while tracing one graph: its policy observed."""
+        user_context_fn = self.context_fn
+        slot: list[int | None] = [0]
+        self._saved_by_policy.append(slot)
+
+        def context_fn() -> Any:
+            try:
+                contexts = user_context_fn()
+            except BaseException as exc:
+                self._raised.append(exc)
+                raise
+            # A new trace of this graph: count its saves afresh. Not torch's SAC
+            # contexts: what they keep is unknown.
+            slot[0] = (
+                0 if _compat.observe_sac_policy(contexts, functools.partial(self._observed, slot)) else None
+            )
+            return contexts
+
+        return context_fn
+
+    def _observed(self, slot: list[int | None], policy: Callable[..., Any]) -> Callable[..., Any]:
+        def observed(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                decision = policy(ctx, op, *args, **kwargs)
+            except BaseException as exc:
+                self._raised.append(exc)
+                raise
+            if not getattr(ctx, "is_recompute", False) and _saves(decision) and slot[0] is not None:
+                # A torch whose policy context has no op_output: the size cannot be told.
+                size = _fresh_bytes(op, ctx.op_output) if hasattr(ctx, "op_output") else None
+                slot[0] = None if size is None else slot[0] + size
+            return decision
+
+        return observed
 
     def eager(self, gm: Any) -> Callable[..., Any]:
         """``gm`` run eagerly under torch's checkpoint with the same policy and options."""
@@ -148,7 +322,8 @@ class CheckpointPieces:
 
         hop = _compat.tag_activation_checkpoint()
         if self.context_fn is not None:
-            gm.meta["_checkpoint_context_fn"] = self.context_fn  # read by the operator's implementation
+            # Read by the operator's implementation when it is traced.
+            gm.meta[_compat.CHECKPOINT_CONTEXT_FN_KEY] = self._traced_context_fn()
         root = nn.Module()
         root.piece = gm
         graph = fx.Graph()

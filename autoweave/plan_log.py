@@ -56,7 +56,12 @@ def join_path(name: str, path: str) -> str:
     return f"{name}.{shown}" if name else shown
 
 
-def _decision_lines(plan: Plan, name: str, indent: str) -> list[str]:
+def region_notes(label: str | None) -> list[str]:
+    """What a region's compile had to do differently (``pieces``: a piece left unchecked, a measure)."""
+    return list(run.region_notes.get(label, ())) if label else []
+
+
+def _decision_lines(plan: Plan, name: str, indent: str, regions: dict[str, str] | None = None) -> list[str]:
     lines = []
     for decision in plan.decisions:
         shown = display_path(decision.path)
@@ -65,6 +70,8 @@ def _decision_lines(plan: Plan, name: str, indent: str) -> list[str]:
             f"{indent}{'  ' * depth}{join_path(name, decision.path)} [{decision.module_type}] "
             f"{_VERBS[decision.action]}: {decision.reason}"
         )
+        for note in region_notes((regions or {}).get(decision.path)):
+            lines.append(f"{indent}{'  ' * (depth + 1)}note: {note}")
     return lines
 
 
@@ -135,7 +142,7 @@ def format_summary(entries: list[Entry]) -> str:
             lines.append(f"  {names} ({count}{first.type_name}): {first.plan.headline()}")
             continue
         lines.append(f"  {first.shown} ({first.type_name}): {first.plan.headline()}")
-        lines.extend(_decision_lines(first.plan, first.name, "    "))
+        lines.extend(_decision_lines(first.plan, first.name, "    ", first.regions))
         if len(members) > 1:
             rest = members[1:]
             if all(m.name for m in rest):
@@ -315,6 +322,7 @@ def decision_records(entry: Entry) -> list[dict[str, Any]]:
             "reason": d.reason,
             "region": entry.regions.get(d.path),
             "source": _where.source_dict(entry.plan, d.path),
+            "notes": region_notes(entry.regions.get(d.path)),
         }
         for d in entry.plan.decisions
     ]

@@ -195,10 +195,17 @@ def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
 class _Tree:
     """Memoised boundary facts for one planning pass."""
 
-    def __init__(self, classify: Classifier, breaks: dict[int, str] | None = None) -> None:
+    def __init__(
+        self,
+        classify: Classifier,
+        breaks: dict[int, str] | None = None,
+        measured: dict[int, str] | None = None,
+    ) -> None:
         self.classify = classify
         # Modules dynamo was seen breaking in (id -> reason): boundaries of this plan.
         self.breaking = dict(breaks or {})
+        # Selective-AC wrappers whose pieces were measured holding more than eager SAC (id -> why).
+        self.measured = dict(measured or {})
         self._kind: dict[int, str | None] = {}
         self._has: dict[int, bool] = {}
 
@@ -409,11 +416,14 @@ class _Planner:
         if unit is not None:
             where = f"{unit}, hooks eager; {where}"
         strategy = self.strategy
+        measured = self.tree.measured.get(id(module)) if strategy == "auto" else None
         if strategy == "auto":
             # Full AC: eager AC around a compile that splits captures everything
             # and recomputes compiled. A selective policy must see the ops it was
-            # written for, so the checkpoint goes into the compiled graphs.
-            strategy = "pieces" if spec.selective or not spec.known else "hoist"
+            # written for, so the checkpoint goes into the compiled graphs, unless
+            # its pieces were measured holding more than eager selective AC would
+            # (``memory``): then eager AC stays around the compile, as for full AC.
+            strategy = "pieces" if (spec.selective or not spec.known) and measured is None else "hoist"
         if strategy == "pieces" and not spec.known:
             strategy = "push-down"  # a custom checkpoint_fn: called as written, around each region
         if strategy in ("pieces", "push-down") and (spec.reentrant or ctx.checkpoint is not None):
@@ -421,11 +431,17 @@ class _Planner:
         if strategy == "hoist" and ctx.checkpoint is not None:
             strategy = "siblings"
         if strategy == "hoist":
+            why = (
+                f" (measured: {measured}; eager AC around the compile holds at most eager SAC's; "
+                "strategy='pieces' keeps the pieces)"
+                if measured
+                else ""
+            )
             self.add(
                 path,
                 module,
                 Action.HOIST,
-                f"{where}{spec.describe()} stays eager around a compile of the inner block",
+                f"{where}{spec.describe()} stays eager around a compile of the inner block{why}",
                 opaque=opaque,
                 ac=spec,
             )
@@ -530,6 +546,7 @@ def plan(
     outer_ac: CheckpointSpec | None = None,
     breaks: dict[int, str] | None = None,
     call_traced: bool = True,
+    measured: dict[int, str] | None = None,
 ) -> Plan:
     """Decide how to compile ``module`` (the object handed to ``torch.compile``).
 
@@ -541,7 +558,8 @@ def plan(
     piece checkpointed with the user's policy and options: glue included),
     ``push-down`` (AC moved into each compiled child region; the glue stays eager),
     ``siblings`` (eager AC around children compiled one by one), ``auto`` (hoist
-    for full AC, pieces for selective AC, push-down for a custom ``checkpoint_fn``).
+    for full AC, pieces for selective AC unless they were ``measured`` holding more
+    than eager selective AC, push-down for a custom ``checkpoint_fn``).
     Under ``fullgraph`` a region may still split at the boundaries autoweave
     handles (the runtime checks that no other break happened), unless the
     strategy is ``siblings``.
@@ -550,6 +568,10 @@ def plan(
     a reason: they are boundaries of this plan. ``call_traced`` is whether the
     compile traces the target's ``__call__`` (``torch.compile(module)``) or only
     its ``_call_impl`` (in-place ``module.compile()``).
+
+    ``measured`` names selective-AC wrappers (by ``id``) whose pieces were
+    measured holding more activation memory than eager selective AC would,
+    with why (``memory.known``): under ``auto`` they are planned with hoist.
     """
     found_plan = _plan(
         module,
@@ -560,6 +582,7 @@ def plan(
         outer_ac=outer_ac,
         breaks=breaks,
         call_traced=call_traced,
+        measured=measured,
     )
     target = unwrap(module)
     sources = tuple(
@@ -580,10 +603,11 @@ def _plan(
     outer_ac: CheckpointSpec | None,
     breaks: dict[int, str] | None,
     call_traced: bool,
+    measured: dict[int, str] | None = None,
 ) -> Plan:
     check_choice("mode", mode, MODES)
     check_choice("strategy", strategy, STRATEGIES)
-    tree = _Tree(classify or boundaries.classify, breaks)
+    tree = _Tree(classify or boundaries.classify, breaks, measured)
     target = unwrap(module)
     found = tuple(
         (name, tree.kind(m) or "")

@@ -28,6 +28,7 @@ from autoweave import (
     breaks,
     capture,
     decorated_checkpoints,
+    memory,
     plan_log,
     planner,
     report,
@@ -178,7 +179,8 @@ def _fingerprint(target: nn.Module) -> tuple:
 
     modules = list(target.named_modules())
     _changes.watch(m for _, m in modules)  # a registration into any of them moves the signal
-    return tuple((name, type(m), getattr(m, MARK, None)) for name, m in modules)
+    # A block measured holding more as pieces than eager SAC would is planned again (memory).
+    return tuple((name, type(m), getattr(m, MARK, None), memory.hoist_reason(m)) for name, m in modules)
 
 
 class _Dispatcher:
@@ -435,6 +437,7 @@ class _Dispatcher:
         """
         outer = self.outer() if self.outer is not None else None
         options["breaks"] = {**breaks.known(self.target), **options.get("breaks", {})}
+        options["measured"] = memory.known(self.target)
         return planner.plan(
             self.target,
             fullgraph=bool(self.compile_kwargs.get("fullgraph")),

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _compat
+from autoweave import _compat, memory
 from autoweave._codegen import on_own_code
 from autoweave._failopen import GraphGuard
 from autoweave._instances import install_forward, restore_forward
@@ -191,22 +191,31 @@ def _region_forward(
     compile_fn: Callable[..., Any],
     kwargs: dict[str, Any],
     instrument: Instrument,
+    pieces: list[CheckpointPieces] | None = None,
 ) -> tuple[Callable[..., Any], str]:
-    """The compiled forward to install on ``module``, and its region label."""
+    """The compiled forward to install on ``module``, and its region label.
+
+    A region compiled as pieces appends its ``CheckpointPieces`` backend to ``pieces``.
+    """
     checkpoint_fn = None if decision.checkpoint is None else decision.checkpoint.checkpoint_fn
+    backend: CheckpointPieces | None = None
     if decision.pieces and checkpoint_fn is not None:
         # Not traced: each graph piece dynamo cuts the region into carries it (see ``pieces``).
-        kwargs = _compat.wrap_backend(kwargs, lambda inner: CheckpointPieces(inner, checkpoint_fn))
+        backend_fn = checkpoint_fn
+        kwargs = _compat.wrap_backend(kwargs, lambda inner: CheckpointPieces(inner, backend_fn))
+        backend = kwargs["backend"]
         checkpoint_fn = None
     own = own_forward(module)
     if own is not None:
         label = _label(decision.path, module)
+        _pieces_of_region(backend, label, pieces)
         region = _private_region(own, checkpoint_fn, label)
         return compile_fn(region, **_failing_open(instrument(kwargs, label), label)), label
     key = _region_key(module, decision, kwargs)
     _shared = run.shared_regions
     if key not in _shared:
         label = _label(decision.path, module)
+        _pieces_of_region(backend, label, pieces)
         _shared[key] = (
             compile_fn(
                 on_own_code(type(module).forward, label)
@@ -218,6 +227,49 @@ def _region_forward(
         )
     compiled, label = _shared[key]
     return functools.partial(compiled, module), label
+
+
+def _pieces_of_region(
+    backend: CheckpointPieces | None, label: str, pieces: list[CheckpointPieces] | None
+) -> None:
+    if backend is not None:
+        backend.label = label
+        if pieces is not None:
+            pieces.append(backend)
+
+
+def _policy_bytes(pieces: list[CheckpointPieces]) -> int | None:
+    """What the policy saved in these regions' pieces while they were traced (None: not known)."""
+    sizes = [p.policy_saved_bytes for p in pieces]
+    if not pieces or any(size is None for size in sizes) or not all(p.traced for p in pieces):
+        return None
+    return sum(sizes)  # type: ignore[arg-type]
+
+
+def _measuring_first_call(
+    applied: Applied, module: nn.Module, decision: Any, pieces: list[CheckpointPieces]
+) -> Callable[..., Any]:
+    """``module``'s forward without its checkpoint, its first call with grad measured (``memory``)."""
+
+    def final() -> Callable[..., Any]:
+        forward = _without_checkpoint(module)
+        return _compat.disable(forward, recursive=True) if decision.opaque else forward
+
+    def done(verdict: memory.Verdict | None) -> None:
+        # Said under the block's own region (the inner module), else under the first piece's.
+        inner = applied.regions.get(f"{decision.path}._checkpoint_wrapped_module".lstrip("."))
+        backend = next((p for p in pieces if p.label == inner), pieces[0] if pieces else None)
+        if backend is not None:
+            if verdict is None:
+                backend.note("not measured: saved-tensor hooks were in force around its first call")
+            else:
+                again = "; planned again with hoist from the next call" if verdict.hoist else ""
+                backend.note(f"measured: {verdict.describe()}{again}")
+        applied._set_forward(module, final())  # the measure steps aside: no cost per call
+
+    return memory.FirstCall(
+        module, _without_checkpoint(module), functools.partial(_policy_bytes, pieces), done
+    )
 
 
 def apply_plan(
@@ -234,6 +286,8 @@ def apply_plan(
     rewrite each region's compile kwargs (the report counts through it).
     """
     applied = Applied()
+    # The pieces backends of the regions under each AC moved into them (by the spec's id).
+    pieces: dict[int, list[CheckpointPieces]] = {}
     try:
         for decision in plan.decisions:
             if decision.action is Action.PLAIN:
@@ -244,8 +298,19 @@ def apply_plan(
                 kwargs = dict(compile_kwargs)
                 # A region that splits is checked at its first call instead (see runtime).
                 kwargs["fullgraph"] = bool(kwargs.get("fullgraph")) and not decision.splits
-                forward, label = _region_forward(module, decision, compile_fn, kwargs, instrument)
+                below = pieces.setdefault(id(decision.checkpoint), []) if decision.pieces else None
+                forward, label = _region_forward(module, decision, compile_fn, kwargs, instrument, below)
                 applied.regions[decision.path] = label
+            elif (
+                decision.action is Action.PIECES
+                and plan.strategy == "auto"
+                and memory.verdict_of(module) is None
+            ):
+                # auto chose pieces for this selective AC: whether they hold more than
+                # eager SAC would is measured at the first call (see ``memory``).
+                forward = _measuring_first_call(
+                    applied, module, decision, pieces.setdefault(id(decision.ac), [])
+                )
             elif decision.action in (Action.PUSH_DOWN, Action.PIECES):
                 forward = _without_checkpoint(module)
             elif decision.action is Action.EAGER and decision.checkpoint is not None:

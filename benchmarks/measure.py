@@ -52,6 +52,38 @@ def forward_gemms_outside_graphs(model: Any, *args: Any) -> int:
     return eager_gemms(prof)[0]
 
 
+def backward_gemms(loss: Any) -> int:
+    """``loss.backward()``, counting the GEMMs that run in it: recomputed ones and gradient ones alike.
+
+    Counted below autograd by a dispatch mode, so what selective AC serves from
+    its cache (a saved matmul) is not counted, while the profiler would count
+    the call. The mode lets dynamo run compiled code under it
+    (``ignore_compile_internals``): with any other mode active dynamo runs
+    eager, and a recompute then differs from its forward. Ops inside compiled
+    graphs are seen as their graphs call them (inductor: its extern ``.out``
+    kernels; a GEMM it fuses into a kernel of its own is not a call at all).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names = {name.split("::", 1)[1] for name in GEMM_OPS}
+
+    class Counting(TorchDispatchMode):
+        count = 0
+
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func.overloadpacket.__name__ in names:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting() as counting:
+        loss.backward()
+    return counting.count
+
+
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)

@@ -26,6 +26,46 @@ def save_matmuls(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def save_nothing(ctx, op, *args, **kwargs):
+    """A selective-AC policy that recomputes everything (full AC's memory, SAC's machinery)."""
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# torchtitan's selective-AC op list (torchtitan/models/llama3/infra/parallelize.py): save the
+# listed ops' outputs, except every second matmul. Its linears have no bias (``mm``); ours do
+# (``addmm``), so both count as its matmuls.
+_TITAN_SAVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten.max.default,
+}
+_TITAN_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+def titan_context_fn():
+    """torchtitan-style selective AC: a ``context_fn`` whose policy counts matmuls per checkpoint."""
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if op in _TITAN_MATMULS:
+            counts[mode] += 1
+        save = op in _TITAN_SAVE and not (op in _TITAN_MATMULS and counts[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+# name -> the context_fn of a selective-AC policy
+POLICIES = {
+    "save-nothing": functools.partial(create_selective_checkpoint_contexts, save_nothing),
+    "save-matmuls": functools.partial(create_selective_checkpoint_contexts, save_matmuls),
+    "torchtitan-style": titan_context_fn,
+}
+
+
 def with_ac(block: nn.Module, ac: str) -> nn.Module:
     """``checkpoint_wrapper(block)``, full AC or selective AC with ``save_matmuls``."""
     if ac == "selective":
@@ -259,3 +299,35 @@ class GlueGemmBlock(nn.Module):
         gates = torch.softmax(self.router(hn), dim=-1)
         routed = self.experts(hn)
         return h + torch.einsum("etd,te->td", routed, gates)  # the combine: a bmm in the glue
+
+
+class ReduceCombineBlock(GlueGemmBlock):
+    """``GlueGemmBlock`` whose combine is a weighted sum over experts (no GEMM after the experts)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + torch.tanh(self.attn(self.norm1(x)))
+        hn = self.norm2(h)
+        gates = torch.softmax(self.router(hn), dim=-1)
+        routed = self.experts(hn)
+        return h + (routed * gates.t().unsqueeze(-1)).sum(0)
+
+
+class DenseTailBlock(nn.Module):
+    """Attention-like projection, experts (an FSDP-like unit), then a dense MLP into the residual.
+
+    The MLP's down projection is the block's last GEMM: backward does not need its output.
+    """
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.experts = fsdp_like(SimpleExperts(dim))
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn(self.norm1(x))
+        y = self.experts(self.norm2(h))
+        return h + self.down(torch.relu(self.up(y)))

@@ -15,7 +15,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import autoweave
-from autoweave import _state, capture, checkpoints, planner, runtime
+from autoweave import _state, capture, checkpoints, memory, planner, runtime
 from autoweave.planner import Action
 from benchmarks.measure import forward_gemms_outside_graphs as _eager_gemms
 from tests import break_models as bm
@@ -87,7 +87,10 @@ def test_any_break_under_ac_is_compiled_around(make, n_breaks, ac):
     plan = runtime.dispatcher_of(model).plan
     assert plan.woven and plan.strategy == "auto" and plan.mode == "auto"
     root = plan.decision("")
-    assert root.action is (Action.HOIST if ac == "full" else Action.PIECES)
+    # Selective AC: pieces, unless they were measured holding more than eager SAC (then hoist, saying so).
+    measured = memory.hoist_reason(model._orig_mod)
+    assert root.action is (Action.HOIST if ac == "full" or measured else Action.PIECES)
+    assert measured is None or f"measured: {measured}" in root.reason
     assert any("graph break in its forward at break_models.py:" in d.reason for d in plan.decisions)
     gemms = _eager_gemms(model, x)
     assert gemms < plain_gemms
@@ -103,7 +106,9 @@ def test_selective_ac_splits_at_the_break_and_checkpoints_each_piece():
     torch.manual_seed(0)
     for make in (bm.BreakBlock, bm.LoopBlock):
         x = torch.randn(6, bm.DIM)
-        model = torch.compile(_ac(make(), "selective"), backend=BACKEND)
+        model = torch.compile(
+            autoweave.set_mode(_ac(make(), "selective"), strategy="pieces"), backend=BACKEND
+        )
         _train(model, x, steps=2)
         plan = runtime.dispatcher_of(model).plan
         assert plan.decision("").action is Action.PIECES
@@ -225,7 +230,8 @@ def test_whole_model_compile_is_woven_from_the_first_step(how, ac):
     plan = runtime.dispatcher_of(compiled).plan
     assert plan.woven and plan.mode == "auto" and plan.strategy == "auto"
     layer = plan.decision("layers.0")
-    assert layer.action is (Action.HOIST if ac == "full" else Action.PIECES)
+    measured = memory.hoist_reason(model.layers[0])  # selective AC: pieces unless measured heavier
+    assert layer.action is (Action.HOIST if ac == "full" or measured else Action.PIECES)
     # At least the capture of compiling each block (which leaves the head eager): the root's
     # forward loops over the blocks, so it is woven and its head is a region of its own.
     per_block = copy.deepcopy(model if how == "model.compile" else compiled._orig_mod)
@@ -269,7 +275,8 @@ def test_report_tells_a_one_time_first_call_fallback_from_a_lasting_one():
 @pytest.mark.parametrize("make", [bm.BreakBlock, bm.LoopBlock], ids=lambda c: c.__name__)
 def test_selective_policy_sees_the_ops_it_was_written_for_with_inductor(make):
     # With inductor, an eager SAC wrapper around compiled code would hand the policy
-    # inductor's ``.out`` kernels; around a break autoweave keeps the policy inside.
+    # inductor's ``.out`` kernels; around a break pieces keep the policy inside (the default
+    # is pieces unless they hold more than eager SAC: see test_sac_memory).
     seen: set[tuple[str, str]] = set()
 
     def recording(ctx, op, *args, **kwargs):
@@ -286,7 +293,8 @@ def test_selective_policy_sees_the_ops_it_was_written_for_with_inductor(make):
     block = make()
     context = functools.partial(create_selective_checkpoint_contexts, recording)
     eager = run(cw.checkpoint_wrapper(copy.deepcopy(block), context_fn=context))
-    model = torch.compile(cw.checkpoint_wrapper(block, context_fn=context), backend="inductor")
+    wrapped = autoweave.set_mode(cw.checkpoint_wrapper(block, context_fn=context), strategy="pieces")
+    model = torch.compile(wrapped, backend="inductor")
     woven = run(model)
     assert runtime.dispatcher_of(model).plan.woven
     assert not [op for op, _ in woven if op.endswith(".out")], woven

@@ -16,11 +16,12 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import autoweave
-from autoweave import _state, capture, runtime
+from autoweave import _state, capture, plan_log, runtime
 from autoweave.planner import Action
 from benchmarks.measure import forward_gemms_outside_graphs as _gemms_outside_graphs
 from tests import break_models as bm
@@ -112,7 +113,7 @@ def test_pieces_keep_dropout_numerics_and_nested_checkpoints():
     block, x = Dropping(DIM), torch.randn(TOKENS, DIM)
     torch.manual_seed(1)
     ref = _train(bm.with_ac(copy.deepcopy(block), "selective"), x)
-    model = _compiled(block, "selective")
+    model = _compiled(block, "selective", "pieces")
     torch.manual_seed(1)
     got = _train(model, x)
     # The RNG stream and preserve_rng_state behave as in eager SAC: same masks, same numbers.
@@ -225,6 +226,65 @@ def _checkpointed_graphs(fn, *args) -> list[bool]:
     return wrapped
 
 
+def _changes_input(t):
+    t.mul_(2)  # recomputing this piece would change its input twice
+    return t.sin()
+
+
+def _changes_a_view(t):
+    t.view(-1).add_(1.0)  # through a view: the base changes
+    return t.sin()
+
+
+def _relu_inplace(t):
+    return F.relu(t, inplace=True).cos()
+
+
+def _sets_an_item(t):
+    t[0] = 0.0
+    return t.sin()
+
+
+def _copies_into(t):
+    t.copy_(t.detach() * 2)
+    return t.sin()
+
+
+def _out_into_a_buffer_read_for_grad(t, buf):
+    torch.mul(t.detach(), 2.0, out=buf)  # buf does not need grad, but t * buf saves it for backward
+    return (t * buf).sin()
+
+
+def _index_put_into_a_buffer_read_for_grad(t, buf):
+    buf.index_put_((torch.tensor([0]),), torch.tensor(3.0))
+    return (t * buf).sin()
+
+
+def _counts_into_a_buffer(t, buf):
+    buf.add_(1.0)  # changed, but nothing backward needs: the checkpoint stays
+    return t.sin()
+
+
+@pytest.mark.parametrize(
+    "fn, wrapped",
+    [
+        (_changes_input, False),
+        (_changes_a_view, False),
+        (_relu_inplace, False),
+        (_sets_an_item, False),
+        (_copies_into, False),
+        (_out_into_a_buffer_read_for_grad, False),
+        (_index_put_into_a_buffer_read_for_grad, False),
+        (_counts_into_a_buffer, True),
+    ],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
+def test_a_piece_that_changes_an_input_backward_needs_is_not_wrapped(fn, wrapped):
+    x = torch.randn(4, requires_grad=True).clone()  # not a leaf, as a piece's inputs usually are not
+    args = (x,) if fn.__code__.co_argcount == 1 else (x, torch.ones(4))
+    assert _checkpointed_graphs(fn, *args) == [wrapped]
+
+
 def test_each_piece_is_wrapped_in_the_checkpoint_operator_unless_that_would_be_wrong():
     x = torch.randn(4, requires_grad=True)
 
@@ -234,10 +294,83 @@ def test_each_piece_is_wrapped_in_the_checkpoint_operator_unless_that_would_be_w
         return y.cos()
 
     assert _checkpointed_graphs(two_pieces, x) == [True, True]
-
-    def mutates_its_input(t):
-        t.mul_(2)  # recomputing this piece would change its input twice
-        return t.sin()
-
     torch._dynamo.reset()
-    assert _checkpointed_graphs(mutates_its_input, x.clone()) == [False]
+    assert _checkpointed_graphs(_changes_input, x.clone()) == [False]
+
+
+class _ResidualExperts(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _ChangesExpertsOutput(nn.Module):
+    """After the boundary, the experts' output is changed in place, as MoE code does."""
+
+    def __init__(self, dim: int, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.norm = nn.LayerNorm(dim)
+        self.experts = bm.fsdp_like(_ResidualExperts(dim))
+        self.act = nn.ReLU(inplace=True)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.experts(self.norm(x))
+        if self.how == "F.relu(inplace=True)":
+            y = F.relu(y, inplace=True)
+        elif self.how == "nn.ReLU(inplace=True)":
+            y = self.act(y)
+        else:
+            y.view(-1).add_(1.0)
+        return x + self.out(y)
+
+
+@pytest.mark.parametrize("how", ["F.relu(inplace=True)", "nn.ReLU(inplace=True)", "y.view(-1).add_(1.0)"])
+def test_pieces_train_through_an_in_place_change_after_a_boundary(how):
+    torch.manual_seed(0)
+    block, x = _ChangesExpertsOutput(DIM, how), torch.randn(TOKENS, DIM)
+    ref = _train(bm.with_ac(copy.deepcopy(block), "selective"), x)
+    model = _compiled(block, "selective", "pieces")
+    got = _train(model, x)
+    _assert_same(got, ref)
+    assert got["fallbacks"] == [0, 0, 0]
+    # The plan log and the report say which piece runs without its checkpoint, and why.
+    (entry,) = plan_log.entries()
+    notes = [n for record in plan_log.decision_records(entry) for n in record["notes"]]
+    assert any("compiled without its checkpoint" in n and "in place" in n for n in notes), notes
+    assert "note: piece 2 compiled without its checkpoint" in plan_log.format_summary([entry])
+
+
+def _refuses_addmm(ctx, op, *args, **kwargs):
+    if op == torch.ops.aten.addmm.default:
+        raise ValueError("this policy refuses addmm")
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_a_policy_that_raises_raises_as_in_plain_torch(capfd):
+    torch.manual_seed(0)
+    block, x = bm.GlueGemmBlock(DIM), torch.randn(TOKENS, DIM)
+
+    def build() -> nn.Module:
+        policy = functools.partial(create_selective_checkpoint_contexts, _refuses_addmm)
+        return cw.checkpoint_wrapper(copy.deepcopy(block), context_fn=policy)
+
+    with autoweave.disabled():
+        plain = torch.compile(build(), backend="aot_eager")
+    with pytest.raises(ValueError, match="this policy refuses addmm"):
+        plain(x)
+    torch._dynamo.reset()
+    capfd.readouterr()
+    woven = torch.compile(autoweave.set_mode(build(), strategy="pieces"), backend="aot_eager")
+    for _ in range(2):  # at every call, as plain torch does: the user's own error, unwrapped
+        with pytest.raises(ValueError, match="this policy refuses addmm") as raised:
+            woven(x)
+        assert type(raised.value) is ValueError
+    # Not reported as autoweave's: no [piece-eager], no [weave-failed], no warning at all.
+    assert "autoweave[" not in capfd.readouterr().err
+    assert runtime.dispatcher_of(woven).plan.decision("").action is Action.PIECES

@@ -32,7 +32,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave._torchlogs",
         "autoweave._failopen",
     ),
-    # Reading torch: tree changes, source places, dynamo's signals, checkpoints in code, boundaries.
+    # Reading torch: tree changes, source places, dynamo's signals, checkpoints in code, boundaries,
+    # what pieces hold for backward.
     (
         "autoweave._changes",
         "autoweave._where",
@@ -40,6 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.checkpoints",
         "autoweave.boundaries",
         "autoweave.breaks",
+        "autoweave.memory",
     ),
     # The decision, pure: a module tree in, a plan out.
     ("autoweave.planner",),

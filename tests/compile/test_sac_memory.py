@@ -1,0 +1,146 @@
+"""Selective AC around a graph break: autoweave's default holds no more than eager SAC, and says why.
+
+``pieces`` keeps the tensors that cross a break for backward; under a policy that saves little that
+is several times eager SAC's activation memory. The default measures it at a block's first call
+(``autoweave.memory``) and plans the block with ``hoist`` when pieces hold more than eager SAC.
+
+Memory is the C heap in use after the forward minus before it (``benchmarks.measure.heap_in_use``):
+every CPU tensor the forward leaves behind, whoever holds it (autograd's saved tensors, a
+checkpoint's inputs, selective AC's cache). A saved-tensor-hook count would be wrong for eager SAC:
+inside a checkpoint its own hooks take precedence, and SAC's cache is not saved through hooks.
+Backward GEMMs are counted below autograd (``benchmarks.measure.backward_gemms``), so a matmul SAC
+serves from its cache does not count. ``benchmarks/sac_memory.py`` prints the whole table.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+import autoweave
+from autoweave import capture, plan_log, runtime
+from autoweave.planner import Action
+from benchmarks.measure import backward_gemms, forward_gemms_outside_graphs, heap_in_use
+from tests import break_models as bm
+
+DIM, TOKENS, LAYERS, STEPS = 64, 128, 2, 4
+
+pytestmark = pytest.mark.skipif(heap_in_use() is None, reason="needs glibc's mallinfo2")
+
+
+@pytest.fixture(autouse=True)
+def _weave(weave_on):
+    yield
+
+
+def _model(block_type: type, policy: str) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = [cw.checkpoint_wrapper(block_type(DIM), context_fn=bm.POLICIES[policy]) for _ in range(LAYERS)]
+    return bm.Stack(blocks, DIM)
+
+
+def _compiled(model: nn.Module, backend) -> nn.Module:
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = torch.compile(layer, backend=backend)
+    return model
+
+
+def _run(model: nn.Module) -> dict:
+    """Train ``STEPS`` steps; the last one measures what its forward holds and its backward's GEMMs."""
+    x = torch.randn(TOKENS, DIM)
+    losses = []
+    for step in range(STEPS):
+        if step == STEPS - 1:
+            gc.collect()
+            before = heap_in_use()
+            loss = model(x).square().mean()
+            held = heap_in_use() - before
+            gemms = backward_gemms(loss)
+        else:
+            loss = model(x).square().mean()
+            loss.backward()
+        losses.append(loss.item())
+    return {"held": held, "gemms": gemms, "losses": losses}
+
+
+# Backward GEMMs of the default beyond eager SAC's. Under a policy that saves nothing the default
+# is hoist, and hoist recomputes a compiled graph whole: eager SAC's recompute stops once it has
+# what backward needs, before the block's last GEMM (GlueGemmBlock's einsum combine, whose output
+# only feeds the residual add); hoist runs the graph after the break again, that GEMM included,
+# one more per block. Pieces would recompute fewer, holding four times the memory.
+EXTRA_GEMMS = {("GlueGemmBlock", "save-nothing"): LAYERS}
+
+
+@pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
+@pytest.mark.parametrize("block_type", [bm.ReduceCombineBlock, bm.GlueGemmBlock], ids=lambda t: t.__name__)
+def test_the_default_holds_at_most_eager_sac_memory_and_recomputes_no_more(block_type, policy):
+    eager = _run(_model(block_type, policy))
+    torch._dynamo.reset()
+    cap = capture.Capture()
+    model = _compiled(_model(block_type, policy), cap.backend("aot_eager"))
+    got = _run(model)
+    assert got["held"] <= 1.05 * eager["held"], (got["held"], eager["held"])
+    extra = EXTRA_GEMMS.get((block_type.__name__, policy), 0)
+    assert got["gemms"] <= eager["gemms"] + extra, (got["gemms"], eager["gemms"])
+    torch.testing.assert_close(got["losses"], eager["losses"], rtol=1e-5, atol=1e-6)
+    # Whatever was decided, the glue stays compiled: only the head's GEMM runs eager.
+    assert forward_gemms_outside_graphs(model, torch.randn(TOKENS, DIM)) == 1
+    # The plan says which strategy and why (the measure, in the plan log and the report).
+    plan = runtime.dispatcher_of(model.layers[0]).plan
+    root = plan.decision("")
+    if root.action is Action.HOIST:
+        assert "measured: pieces hold" in root.reason and "eager selective AC" in root.reason
+        assert got["gemms"] == eager["gemms"] + extra
+    else:
+        assert root.action is Action.PIECES
+        notes = [n for e in plan_log.entries() for r in plan_log.decision_records(e) for n in r["notes"]]
+        assert any(n.startswith("measured: pieces hold") for n in notes), notes
+    # Measured once: no recompile after the step that re-planned, and nothing measures any more.
+    from autoweave import memory
+
+    graphs = cap.graph_count
+    _run(model)
+    assert cap.graph_count == graphs
+    assert not any(isinstance(m.__dict__.get("forward"), memory.FirstCall) for m in model.modules())
+
+
+def test_a_policy_that_saves_the_matmuls_keeps_pieces():
+    torch._dynamo.reset()
+    model = _compiled(_model(bm.GlueGemmBlock, "save-matmuls"), "aot_eager")
+    _run(model)
+    assert runtime.dispatcher_of(model.layers[0]).plan.decision("").action is Action.PIECES
+
+
+def test_a_strategy_the_user_chose_is_kept_and_not_measured():
+    from autoweave import memory
+
+    model = _model(bm.GlueGemmBlock, "save-nothing")
+    for layer in model.layers:
+        autoweave.set_mode(layer, strategy="pieces")
+    model = _compiled(model, "aot_eager")
+    _run(model)
+    assert runtime.dispatcher_of(model.layers[0]).plan.decision("").action is Action.PIECES
+    assert not memory.known(model)
+
+
+def test_the_users_saved_tensor_hooks_are_never_shadowed():
+    model = _compiled(_model(bm.GlueGemmBlock, "save-nothing"), "aot_eager")
+    x = torch.randn(TOKENS, DIM)
+    packed = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(tensor.shape)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(x).square().mean()
+    loss.backward()
+    assert packed  # every save went through the user's hooks, none through a measure of ours
+    # Not measured: the pieces stay, and the plan log says why.
+    assert runtime.dispatcher_of(model.layers[0]).plan.decision("").action is Action.PIECES
+    notes = [n for e in plan_log.entries() for r in plan_log.decision_records(e) for n in r["notes"]]
+    assert any(n.startswith("not measured: saved-tensor hooks") for n in notes), notes
