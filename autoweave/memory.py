@@ -174,12 +174,13 @@ class SavedBytes:
 # -- what one block taught its kind ---------------------------------------------------------
 
 
-def _identity(value: Any) -> Any:
+def identity(value: Any) -> Any:
+    """A hashable key for a policy or option value: equal for the same functions, partials and constants."""
     func = getattr(value, "func", None)
     if func is not None:  # functools.partial: the function and its arguments
-        return ("partial", id(func), tuple(_identity(a) for a in value.args), _identity(value.keywords))
+        return ("partial", id(func), tuple(identity(a) for a in value.args), identity(value.keywords))
     if isinstance(value, dict):
-        return tuple(sorted((k, _identity(v)) for k, v in value.items()))
+        return tuple(sorted((k, identity(v)) for k, v in value.items()))
     if isinstance(value, (str, int, float, bool, type(None))):
         return value
     return id(value)
@@ -191,7 +192,7 @@ def kind(wrapper: Any) -> tuple | None:
     if inner is None:
         return None
     shapes = tuple((name, tuple(p.shape), p.dtype) for name, p in inner.named_parameters())
-    return (type(inner), shapes, _identity(getattr(wrapper, "checkpoint_fn", None)))
+    return (type(inner), shapes, identity(getattr(wrapper, "checkpoint_fn", None)))
 
 
 def learn(wrapper: Any, verdict: Verdict) -> None:

@@ -103,17 +103,6 @@ def _private_region(call: Callable[..., Any], checkpoint_fn: Any, label: str) ->
     return on_own_code(region, label)
 
 
-def _identity(value: Any) -> Any:
-    func = getattr(value, "func", None)
-    if func is not None:  # functools.partial, e.g. context_fn=partial(create_..._contexts, policy)
-        return ("partial", id(func), tuple(_identity(a) for a in value.args), _identity(value.keywords))
-    if isinstance(value, dict):
-        return tuple(sorted((k, _identity(v)) for k, v in value.items()))
-    if isinstance(value, (str, int, float, bool, type(None))):
-        return value
-    return id(value)
-
-
 def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]) -> tuple:
     """Regions with equal keys run the same code on same-shaped modules: they share one cache."""
     shapes = tuple(
@@ -126,8 +115,8 @@ def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]
         None
         if spec is None
         else (
-            _identity(getattr(spec.checkpoint_fn, "func", None)),
-            _identity(getattr(spec.checkpoint_fn, "keywords", {})),
+            memory.identity(getattr(spec.checkpoint_fn, "func", None)),
+            memory.identity(getattr(spec.checkpoint_fn, "keywords", {})),
         )
     )
     return (
@@ -137,7 +126,7 @@ def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]
         decision.action,
         decision.pieces,
         checkpoint,
-        _identity(compile_kwargs),
+        memory.identity(compile_kwargs),
     )
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import platform
 import sys
@@ -33,24 +32,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from break_patterns import bm  # tests/break_models, loaded beside this script
 from measure import backward_gemms, forward_gemms_outside_graphs, heap_in_use  # beside this script
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
 from autoweave import _state, runtime
-
-HERE = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, HERE / "tests" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bm = _load("break_models")
 
 BLOCKS = {
     "glue": bm.GlueGemmBlock,  # an einsum combine (a bmm) after the experts
