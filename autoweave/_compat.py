@@ -135,6 +135,14 @@ def _first(*paths: str) -> Any:
     raise UnsupportedTorch("none of these torch names exist: " + "; ".join(errors))
 
 
+def _optional(*paths: str) -> Any:
+    """``_first``, or None where this torch has none of them (a name autoweave can do without)."""
+    try:
+        return _first(*paths)
+    except UnsupportedTorch:
+        return None
+
+
 @functools.cache
 def optimized_module() -> type:
     return _first("torch._dynamo.eval_frame.OptimizedModule")
@@ -147,21 +155,13 @@ def checkpoint_wrapper_class() -> type:
 
 @functools.cache
 def fsdp2_module() -> type | None:
-    try:
-        return _first(
-            "torch.distributed.fsdp.FSDPModule",
-            "torch.distributed._composable.fsdp.FSDPModule",
-        )
-    except UnsupportedTorch:
-        return None  # torch built without distributed
+    # None: torch built without distributed.
+    return _optional("torch.distributed.fsdp.FSDPModule", "torch.distributed._composable.fsdp.FSDPModule")
 
 
 @functools.cache
 def fsdp1_module() -> type | None:
-    try:
-        return _first("torch.distributed.fsdp.FullyShardedDataParallel")
-    except UnsupportedTorch:
-        return None
+    return _optional("torch.distributed.fsdp.FullyShardedDataParallel")
 
 
 def dynamo_disabled(fn: Any) -> bool:
@@ -231,6 +231,34 @@ def compile_backend(
     return wrapper(backend, mode, options, dynamic)
 
 
+class BackendWrapper:
+    """A backend around ``inner`` that dynamo treats as ``inner``: same name, equal when it is.
+
+    dynamo matches a frame's cached graphs to the current backend with ``==``;
+    torch builds a fresh ``_TorchCompileWrapper`` at every ``torch.compile`` and
+    shares graphs because equal ones compare equal. A wrapper per compile that
+    compared unequal would make identical layers compiled one by one recompile
+    their shared code until the recompile limit, then run eager.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        # torch.compile names its wrapper after this (``compiler_name``), and dynamo
+        # treats a registered name as a built-in backend: keep the inner one's.
+        self.__name__ = str(getattr(inner, "compiler_name", None) or getattr(inner, "__name__", "backend"))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and bool(self.inner == other.inner)  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(type(self.inner))  # equal wrappers wrap equal backends, of one type
+
+    def reset(self) -> None:
+        reset = getattr(self.inner, "reset", None)
+        if reset is not None:
+            reset()
+
+
 def wrap_backend(kwargs: dict[str, Any], wrap: Any) -> dict[str, Any]:
     """``torch.compile`` kwargs whose backend is ``wrap(the callable torch would build)``.
 
@@ -256,10 +284,7 @@ def wrap_backend(kwargs: dict[str, Any], wrap: Any) -> dict[str, Any]:
 
 def compile_callbacks() -> Any:
     """dynamo's compile start/end callback registry, or None where torch lacks it."""
-    try:
-        return _first("torch._dynamo.callback.callback_handler")
-    except UnsupportedTorch:
-        return None
+    return _optional("torch._dynamo.callback.callback_handler")
 
 
 # Where FSDP2's per-unit state class lives (its ``init`` runs once per ``fully_shard`` call).
@@ -361,10 +386,9 @@ def backend_errors_dynamo_handles() -> tuple[type[BaseException], ...]:
         "torch._dynamo.exc.SkipFrame",
         "torch._dynamo.exc.ShortenTraceback",
     ):
-        try:
-            found.append(_first(path))
-        except UnsupportedTorch:
-            pass
+        exc_type = _optional(path)
+        if exc_type is not None:
+            found.append(exc_type)
     try:
         found.extend(_first("torch._dynamo.exc.exceptions_allowed_to_be_fallback"))
     except (UnsupportedTorch, TypeError):
@@ -641,10 +665,7 @@ def checkpointed_function_class() -> type | None:
     Private: the decorator form returns it and nothing public names it. Needed until
     dynamo traces it as its checkpoint operator.
     """
-    try:
-        return _first("torch.utils.checkpoint._CheckpointedFunction")
-    except UnsupportedTorch:
-        return None
+    return _optional("torch.utils.checkpoint._CheckpointedFunction")
 
 
 # -- activation memory: saved-tensor hooks, the SAC policy, fake tensors ---------------------
@@ -668,10 +689,7 @@ def saved_tensors_hooks_active() -> bool:
 
 @functools.cache
 def _sac_forward_mode() -> type | None:
-    try:
-        return _first("torch.utils.checkpoint._CachingTorchDispatchMode")
-    except UnsupportedTorch:
-        return None
+    return _optional("torch.utils.checkpoint._CachingTorchDispatchMode")
 
 
 def observe_sac_policy(contexts: Any, observe: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:

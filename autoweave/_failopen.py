@@ -91,7 +91,7 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-class GraphGuard:
+class GraphGuard(_compat.BackendWrapper):
     """A woven region's backend, failing open: a graph the backend fails on runs eager.
 
     torch's ``suppress_errors`` answers a backend failure by running the whole
@@ -101,16 +101,13 @@ class GraphGuard:
     of failure. What dynamo acts on itself (a restart, a skip, a graph break,
     a dim error of the user's) passes through; strict mode re-raises.
 
-    Two guards compare equal when the backends they wrap do: dynamo matches a
-    frame's cached graphs to the current backend with ``==`` (see the report's
-    ``_Counting``), so regions compiled one by one still share graphs.
+    Two guards compare equal when the backends they wrap do (``BackendWrapper``),
+    so regions compiled one by one still share graphs.
     """
 
     def __init__(self, inner: Any, region: str) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.region = region
-        # torch.compile names its wrapper after this (``compiler_name``): keep the inner one's.
-        self.__name__ = str(getattr(inner, "compiler_name", None) or getattr(inner, "__name__", "backend"))
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         try:
@@ -134,16 +131,6 @@ class GraphGuard:
     def _dynamo_backend_init(self) -> Any:  # torch 2.15: a backend's set-up hook, run at torch.compile()
         return getattr(self.inner, "_dynamo_backend_init", None)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, GraphGuard) and bool(self.inner == other.inner)
-
-    def __hash__(self) -> int:
-        return hash(type(self.inner))  # equal guards wrap equal backends, of one type
-
-    def reset(self) -> None:
-        reset = getattr(self.inner, "reset", None)
-        if reset is not None:
-            reset()
 
 
 class FailedFrames:

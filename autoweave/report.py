@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoweave import _trace, _where, capture, plan_log
+from autoweave import _compat, _trace, _where, capture, plan_log
 from autoweave._log import logger, rank, world_size
 from autoweave._state import run
 
@@ -56,29 +56,23 @@ class RegionStats:
         }
 
 
-class _Counting:
+class _Counting(_compat.BackendWrapper):
     """A backend that counts each graph (``capture.Capture``) and times it, then compiles it.
 
     Each compile gets its own wrapper, so the counts go to its region; yet two
-    wrappers compare equal exactly when the backends they wrap do. Dynamo's
-    backend-match check compares backends with ``==``: torch builds a fresh
-    ``_TorchCompileWrapper`` at every ``torch.compile`` and shares graphs because
-    equal ones compare equal (it compares the callables they hold: ours). So
-    per-layer compiles of one block share its graphs with the report on, as
-    they do without it; a wrapper per compile that compared unequal made each
-    layer recompile the shared code, hit the recompile limit after 8 and run
-    eager (raise, under ``fullgraph=True``). A shared graph is counted once, in
-    the region whose call compiled it.
+    wrappers compare equal exactly when the backends they wrap do
+    (``BackendWrapper``), so per-layer compiles of one block share its graphs with
+    the report on, as they do without it (unequal wrappers made each layer
+    recompile the shared code, hit the recompile limit after 8 and run eager, or
+    raise under ``fullgraph=True``). A shared graph is counted once, in the region
+    whose call compiled it.
     """
 
     def __init__(self, stats: _Stats, region: RegionStats, inner: Any) -> None:
+        super().__init__(inner)
         self._stats = stats
         self._region = region
-        self._inner = inner
         self._count = region.capture.backend(inner)
-        # torch.compile names its wrapper after this (``compiler_name``), and
-        # dynamo treats a registered name as a built-in backend: keep the inner one's.
-        self.__name__ = str(getattr(inner, "compiler_name", None) or getattr(inner, "__name__", "backend"))
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         self._stats.note_region(self._region)
@@ -87,17 +81,6 @@ class _Counting:
             return self._count(gm, example_inputs)
         finally:
             self._region.backend_s += time.perf_counter() - start
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Counting) and bool(self._inner == other._inner)
-
-    def __hash__(self) -> int:
-        return hash(type(self._inner))  # equal wrappers wrap equal backends, of one type
-
-    def reset(self) -> None:
-        reset = getattr(self._inner, "reset", None)
-        if reset is not None:
-            reset()
 
 
 class _LimitFilter(logging.Filter):
@@ -135,7 +118,6 @@ class _Stats:
         self._callbacks: Any = None
 
     def install(self) -> None:
-        from autoweave import _compat
 
         self.fallbacks.install()
         _where.watch_graph_breaks()  # the user's line of each graph break (autoweave/_where.py)
@@ -346,8 +328,6 @@ def instrument(kwargs: dict[str, Any], label: str, kind: str = "woven") -> dict[
     stats = _stats
     if stats is None:
         return kwargs
-    from autoweave import _compat
-
     try:
         return _compat.wrap_backend(kwargs, lambda inner: _Counting(stats, stats.region(label, kind), inner))
     except Exception as exc:  # AOTInductor options, a torch without the wrappers

@@ -136,7 +136,7 @@ def test_instrument_builds_the_backend_torch_would(weave_on) -> None:
         {"backend": "inductor", "mode": "max-autotune-no-cudagraphs", "fullgraph": True}, "r"
     )
     assert set(out) == {"backend", "fullgraph"}
-    inner = out["backend"]._inner
+    inner = out["backend"].inner
     assert isinstance(inner, torch._TorchCompileInductorWrapper)
     assert inner == torch._TorchCompileInductorWrapper("max-autotune-no-cudagraphs", None, None)
     filtered = report.instrument({"backend": "eager", "options": {"guard_filter_fn": len}}, "r2")
