@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -154,7 +155,7 @@ def _tiny_qwen3_moe(layers: int = 2) -> nn.Module:
 def _hf_run(in_place: bool, weave: bool) -> tuple[list[float], int]:
     model = _tiny_qwen3_moe()
     layers = model.model.layers
-    with autoweave.disabled() if not weave else _nothing():
+    with autoweave.disabled() if not weave else contextlib.nullcontext():
         for i, layer in enumerate(layers):
             if in_place:
                 layer.compile(backend=BACKEND)
@@ -172,14 +173,6 @@ def _train(model: nn.Module) -> tuple[list[float], int]:
         out.loss.backward()
         losses.append(out.loss.item())
     return losses, forward_gemms_outside_graphs(model, ids)
-
-
-class _nothing:  # noqa: N801 - a null context, like autoweave.disabled()
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _checkpoints_in_forward() -> bool:
