@@ -143,9 +143,9 @@ def registered(name: str) -> bool:
 
 
 # What runs when torch (or the checkpoint_wrapper module) finishes importing.
-ON_IMPORT = "autoweave._bootstrap:on_import"
+ON_IMPORT = "autoweave.startup:on_import"
 # What decides (and explains) an unusual AUTOWEAVE value.
-STARTUP = "autoweave._bootstrap:startup"
+STARTUP = "autoweave.startup:startup"
 
 
 def _warn(message: str) -> None:

@@ -5,7 +5,7 @@ from code with :func:`enable`. Importing this package imports only the
 standard library; torch-dependent names load on first use.
 """
 
-from autoweave import _bootstrap, _settings
+from autoweave import _settings, startup
 from autoweave._settings import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     import torch.nn as nn
 
-    from autoweave.planner import Plan
+    from autoweave.planning.planner import Plan
 
 from autoweave._version import __version__
 
@@ -48,7 +48,7 @@ def enable() -> bool:
         return False
     if not settings.enabled:
         _settings.reload(forced)
-    _bootstrap.install()
+    startup.install()
     return is_enabled()
 
 
@@ -56,7 +56,7 @@ def disable() -> None:
     """Turn autoweave off: remove the import hooks and restore torch's originals exactly."""
     from autoweave._settings import Settings
 
-    _bootstrap.uninstall()
+    startup.uninstall()
     _settings.reload(Settings(enabled=False))
 
 
@@ -66,14 +66,14 @@ def is_enabled() -> bool:
 
     if not _settings.current().enabled:
         return False
-    if _bootstrap.off_reason() is not None:
+    if startup.off_reason() is not None:
         return False  # a missing dependency or an unsupported torch: said once, staying off
     if "torch" not in sys.modules:
         # The start-up file registers its hook without going through _bootstrap.
         from autoweave import _importhook
 
-        return _bootstrap._hooks_registered or _importhook.registered("torch")
-    from autoweave import patches
+        return startup._hooks_registered or _importhook.registered("torch")
+    from autoweave.dispatch import patches
 
     return bool(patches.applied())
 
@@ -86,9 +86,9 @@ class disabled:  # noqa: N801 - used like a function: `with autoweave.disabled()
     """
 
     def __enter__(self) -> None:
-        from autoweave import runtime
+        from autoweave.dispatch import routes
 
-        self._cm = runtime.disabled()
+        self._cm = routes.disabled()
         self._cm.__enter__()
 
     def __exit__(self, *exc: object) -> None:
@@ -97,30 +97,30 @@ class disabled:  # noqa: N801 - used like a function: `with autoweave.disabled()
 
 def boundary(module: "nn.Module", reason: str = "marked with autoweave.boundary()") -> "nn.Module":
     """Mark ``module`` as a boundary: compiled regions stop at its call. Returns it."""
-    from autoweave import boundaries
+    from autoweave.planning import boundaries
 
     return boundaries.boundary(module, reason)
 
 
 def register_boundary(predicate: "Any", *, name: str | None = None) -> "Any":
     """Register ``predicate(module) -> reason | True | None`` as a boundary kind."""
-    from autoweave import boundaries
+    from autoweave.planning import boundaries
 
     return boundaries.register_boundary(predicate, name=name)
 
 
 def set_mode(module: "nn.Module", mode: str | None = None, *, strategy: str | None = None) -> "nn.Module":
     """Per-module weave mode (``auto``/``always``/``off``) and AC strategy."""
-    from autoweave import runtime
+    from autoweave.dispatch import dispatchers
 
-    return runtime.set_mode(module, mode, strategy=strategy)
+    return dispatchers.set_mode(module, mode, strategy=strategy)
 
 
 def plan(
     module: "nn.Module", *, fullgraph: bool = False, mode: str | None = None, strategy: str | None = None
 ) -> "Plan":
     """The plan autoweave would apply to ``torch.compile(module)`` now, without compiling."""
-    from autoweave import planner
+    from autoweave.planning import planner
 
     mode, strategy = _settings.mode_and_strategy(module, mode, strategy)
     return planner.plan(module, mode=mode, strategy=strategy, fullgraph=fullgraph)
@@ -129,10 +129,10 @@ def plan(
 def explain(model_or_factory: "Any", **options: "Any") -> str:
     """The plan of each block of a model built on the meta device, without compiling.
 
-    See :func:`autoweave.explainer.explain` for ``ac``, ``shard``, ``recipe``,
+    See :func:`autoweave.cli.explainer.explain` for ``ac``, ``shard``, ``recipe``,
     ``mode``, ``strategy`` and ``fullgraph``.
     """
-    from autoweave import explainer
+    from autoweave.cli import explainer
 
     return explainer.explain(model_or_factory, **options)
 

@@ -48,10 +48,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "doctor":
-        from autoweave import doctor
+        from autoweave.cli import doctor
 
         return doctor.main(live=not args.no_live)
-    from autoweave import explainer as explain_mod
+    from autoweave.cli import explainer as explain_mod
 
     settings = _settings.current()
     try:

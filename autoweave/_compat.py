@@ -607,7 +607,10 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
             "dynamo's graph_breaks log artifact",
             lambda: _source_has("torch._dynamo.symbolic_convert", '"graph_breaks"'),
         ),
-        ("torch._dynamo.config.suppress_errors", lambda: hasattr(_first("torch._dynamo.config"), "suppress_errors")),
+        (
+            "torch._dynamo.config.suppress_errors",
+            lambda: hasattr(_first("torch._dynamo.config"), "suppress_errors"),
+        ),
         ("torch._dynamo.convert_frame.ConvertFrame.__call__(frame, ...)", _convert_frame_argument),
         (
             f"dynamo's suppressed-error message {SUPPRESSED_NEEDLE!r}",
@@ -702,7 +705,11 @@ def observe_sac_policy(contexts: Any, observe: Callable[[Callable[..., Any]], Ca
     """
     mode_cls = _sac_forward_mode()
     forward = contexts[0] if isinstance(contexts, tuple) and contexts else None
-    if mode_cls is None or not isinstance(forward, mode_cls) or not callable(getattr(forward, "policy_fn", None)):
+    if (
+        mode_cls is None
+        or not isinstance(forward, mode_cls)
+        or not callable(getattr(forward, "policy_fn", None))
+    ):
         return False
     forward.policy_fn = observe(forward.policy_fn)
     return True

@@ -132,7 +132,6 @@ class GraphGuard(_compat.BackendWrapper):
         return getattr(self.inner, "_dynamo_backend_init", None)
 
 
-
 class FailedFrames:
     """The frames dynamo could not convert during a first call, each run eager instead."""
 

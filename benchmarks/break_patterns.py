@@ -32,7 +32,7 @@ from measure import eager_gemms  # benchmarks/measure.py, beside this script
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import autoweave
-from autoweave import capture
+from autoweave.observe import counting
 
 HERE = Path(__file__).resolve().parents[1]
 
@@ -140,26 +140,26 @@ def _run(build: Any, how: str, ac: str, on: bool, backend: str, steps: int) -> d
         _state.reset()
     except ImportError:  # an older build, measured from its checkout
         try:
-            from autoweave import breaks
+            from autoweave.planning import learned_breaks
 
-            breaks.forget()
+            learned_breaks.forget()
         except (ImportError, AttributeError):
             pass
     torch.manual_seed(0)
     eager = build(ac)
     model = copy.deepcopy(eager)
     x = torch.randn(6, bm.DIM)
-    cap = capture.Capture()
-    counting = cap.backend(backend)
+    cap = counting.Capture()
+    counted = cap.backend(backend)
     if on:
-        model = _compile(model, how, counting)
+        model = _compile(model, how, counted)
     else:
         with autoweave.disabled():
-            model = _compile(model, how, counting)
+            model = _compile(model, how, counted)
     fallbacks, diffs = [], []
     gemms = -1
     for step in range(steps):
-        with capture.FallbackCounter() as watch:
+        with counting.FallbackCounter() as watch:
             if step == steps - 1:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                     out = model(x)

@@ -49,7 +49,8 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw  # noqa: E402
 
 import autoweave  # noqa: E402
-from autoweave import capture, runtime  # noqa: E402
+from autoweave.dispatch import dispatchers
+from autoweave.observe import counting
 
 TARGET_RATIO = 1.02
 DIM = 8
@@ -195,7 +196,7 @@ class Row:
 def _dispatchers(model: nn.Module) -> list[Any]:
     found = []
     for module in model.modules():
-        dispatcher = runtime.dispatcher_of(module)
+        dispatcher = dispatchers.dispatcher_of(module)
         if dispatcher is not None:
             found.append(dispatcher)
     return found
@@ -213,7 +214,7 @@ class _LimitHits(logging.Handler):
         self.count = 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        if capture.RECOMPILE_LIMIT_NEEDLE in record.getMessage():
+        if counting.RECOMPILE_LIMIT_NEEDLE in record.getMessage():
             self.count += 1
 
 
@@ -242,7 +243,7 @@ def measure(
 ) -> Row:
     torch._dynamo.reset()  # cases never share dynamo caches (nor recompile budgets)
     hits = _LimitHits()
-    limit_logger = logging.getLogger(capture.RECOMPILE_LIMIT_LOGGER)
+    limit_logger = logging.getLogger(counting.RECOMPILE_LIMIT_LOGGER)
     limit_logger.addHandler(hits)
     row = Row(case, 0, layers)
     try:

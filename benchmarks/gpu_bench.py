@@ -53,7 +53,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts  # noqa: E402
 
 import autoweave  # noqa: E402 - standard library only until enabled
-from autoweave import capture  # noqa: E402
+from autoweave.observe import counting
 from tests.break_models import fsdp_like  # noqa: E402 - the FSDP-hook stand-in (a disabled pre-hook)
 
 tm = mv.tm
@@ -414,7 +414,7 @@ def _switch_autoweave(on: bool, cfg: Config) -> str | None:
     try:
         if autoweave.enable():
             return None
-        reason = autoweave._bootstrap.off_reason() or "autoweave.enable() returned False"
+        reason = autoweave.startup.off_reason() or "autoweave.enable() returned False"
     except Exception as exc:  # noqa: BLE001 - recorded, the other variants still run
         reason = f"autoweave.enable() raised {type(exc).__name__}: {exc}"
     cfg.autoweave_problem = reason
@@ -438,9 +438,9 @@ def run_variant(name: str, ac: str, cfg: Config, deadline: float) -> dict[str, A
     torch._dynamo.utils.counters.clear()
     rec["cache_warm"] = _use_cache(cfg, rec["key"])
     a = cfg.args
-    cap = capture.Capture()
+    cap = counting.Capture()
     backend = cap.backend(a.backend)
-    fallbacks = capture.FallbackCounter().install()
+    fallbacks = counting.FallbackCounter().install()
     rss_scope = mv._reset_peak_rss()
     if cfg.cuda:
         torch.cuda.reset_peak_memory_stats(cfg.device)

@@ -38,7 +38,7 @@ from measure import eager_gemms as count_eager_gemms  # noqa: E402 - benchmarks/
 from measure import heap_in_use  # noqa: E402
 
 import autoweave  # noqa: E402
-from autoweave import capture  # noqa: E402
+from autoweave.observe import counting  # noqa: E402
 
 
 def load_example() -> Any:
@@ -331,17 +331,19 @@ def run_variant(
     return record
 
 
-def _run_variant(order: str, weave_on: bool, ac: str, steps: int, args: Any, inner_backend: str, timing_steps: int) -> dict[str, Any]:
+def _run_variant(
+    order: str, weave_on: bool, ac: str, steps: int, args: Any, inner_backend: str, timing_steps: int
+) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     POLICY_SEEN.clear()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     expert_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep_fsdp",))
     torch._dynamo.reset()
     rss_scope = _reset_peak_rss()
-    cap = capture.Capture()
+    cap = counting.Capture()
     backend = cap.backend(inner_backend)
     ctx = contextlib.nullcontext() if weave_on else autoweave.disabled()
-    fallbacks = capture.FallbackCounter().install()
+    fallbacks = counting.FallbackCounter().install()
     try:
         with ctx:
             model = build(order, ac, backend, mesh, expert_mesh, args)
@@ -456,14 +458,18 @@ def main(argv: list[str] | None = None) -> None:
     autoweave.enable()
     if a.warmup:
         _warmup(a.backend)
-    args = tm.ModelArgs(n_layers=a.layers, dim=a.dim, vocab_size=128, seq_len=16, moe_inter_dim=16, inter_dim=64)
+    args = tm.ModelArgs(
+        n_layers=a.layers, dim=a.dim, vocab_size=128, seq_len=16, moe_inter_dim=16, inter_dim=64
+    )
     records = []
     for item in a.variants.split(","):
         order, _, rest = item.partition(":")
         state, _, strategy = rest.partition(":")
         try:
             records.append(
-                run_variant(order, state != "off", a.ac, a.steps, args, a.backend, a.timing_steps, strategy or None)
+                run_variant(
+                    order, state != "off", a.ac, a.steps, args, a.backend, a.timing_steps, strategy or None
+                )
             )
         except Exception as exc:  # plain torch raises for some orders (fullgraph): record it
             records.append(

@@ -37,7 +37,8 @@ from measure import backward_gemms, forward_gemms_outside_graphs, heap_in_use  #
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import _state, runtime
+from autoweave import _state
+from autoweave.dispatch import dispatchers
 
 BLOCKS = {
     "glue": bm.GlueGemmBlock,  # an einsum combine (a bmm) after the experts
@@ -80,7 +81,7 @@ def prepare(model: nn.Module, how: str, backend: str) -> nn.Module:
 
 def picked(model: nn.Module) -> str | None:
     """The AC strategy autoweave's plan holds for the first block now (after the measuring call)."""
-    dispatcher = runtime.dispatcher_of(model.layers[0])
+    dispatcher = dispatchers.dispatcher_of(model.layers[0])
     plan = dispatcher.plan if dispatcher is not None else None
     if plan is None or not plan.woven:
         return None

@@ -41,7 +41,11 @@ def _time_once(python: Path, env: dict[str, str]) -> float:
 def _check(python: Path, env: dict[str, str], expect_autoweave: bool) -> None:
     """Make sure each configuration does what its name says before timing it."""
     proc = subprocess.run(
-        [str(python), "-c", "import sys; print(sorted(m for m in ('_autoweave_start', 'autoweave', 'wrapt', 'torch') if m in sys.modules))"],
+        [
+            str(python),
+            "-c",
+            "import sys; print(sorted(m for m in ('_autoweave_start', 'autoweave', 'wrapt', 'torch') if m in sys.modules))",
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -49,7 +53,9 @@ def _check(python: Path, env: dict[str, str], expect_autoweave: bool) -> None:
     )
     expected = "['_autoweave_start']" if expect_autoweave else "[]"
     if proc.stdout.strip() != expected or proc.stderr:
-        raise SystemExit(f"unexpected start-up state {proc.stdout.strip()} {proc.stderr!r} (wanted {expected})")
+        raise SystemExit(
+            f"unexpected start-up state {proc.stdout.strip()} {proc.stderr!r} (wanted {expected})"
+        )
 
 
 def build(workdir: Path) -> dict[str, tuple[Path, dict[str, str], bool]]:
@@ -68,7 +74,9 @@ def build(workdir: Path) -> dict[str, tuple[Path, dict[str, str], bool]]:
     }
 
 
-def measure(configs: dict[str, tuple[Path, dict[str, str], bool]], rounds: int, warmup: int) -> dict[str, list[float]]:
+def measure(
+    configs: dict[str, tuple[Path, dict[str, str], bool]], rounds: int, warmup: int
+) -> dict[str, list[float]]:
     for python, env, expect in configs.values():
         _check(python, env, expect)
         for _ in range(warmup):

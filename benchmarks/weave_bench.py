@@ -89,7 +89,7 @@ COLUMN_KEYS = tuple(key for key, _ in COLUMNS)
 
 # Counts and memory are read in the last two checked steps, after every compile: a selective-AC
 # block whose pieces were measured holding more than eager SAC is planned again (hoist) and
-# compiles at the second step (autoweave.memory), so the default checks four steps, quick three.
+# compiles at the second step (autoweave.planning.memory), so the default checks four steps, quick three.
 QUICK = {"layers": 2, "dim": 32, "steps": 3, "timing_steps": 2, "repeats": 1, "backend": "aot_eager"}
 DEFAULTS = {"layers": 4, "dim": 64, "steps": 4, "timing_steps": 20, "repeats": 3, "backend": "inductor"}
 
@@ -102,20 +102,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ac", choices=("full", "selective"), default="full")
     p.add_argument("--backend", default=None, help=f"inner compile backend (default {DEFAULTS['backend']})")
-    p.add_argument("--repeats", type=int, default=None, help=f"torchrun calls, rotated (default {DEFAULTS['repeats']})")
-    p.add_argument("--steps", type=int, default=None, help=f"steps checked against eager (default {DEFAULTS['steps']})")
-    p.add_argument("--timing-steps", type=int, default=None, help=f"timed steps after those (default {DEFAULTS['timing_steps']})")
-    p.add_argument("--layers", type=int, default=None, help=f"blocks; the first is dense (default {DEFAULTS['layers']})")
+    p.add_argument(
+        "--repeats", type=int, default=None, help=f"torchrun calls, rotated (default {DEFAULTS['repeats']})"
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help=f"steps checked against eager (default {DEFAULTS['steps']})"
+    )
+    p.add_argument(
+        "--timing-steps",
+        type=int,
+        default=None,
+        help=f"timed steps after those (default {DEFAULTS['timing_steps']})",
+    )
+    p.add_argument(
+        "--layers", type=int, default=None, help=f"blocks; the first is dense (default {DEFAULTS['layers']})"
+    )
     p.add_argument("--dim", type=int, default=None, help=f"model width (default {DEFAULTS['dim']})")
-    p.add_argument("--json", type=Path, default=None, help="write every column per variant, plus run metadata")
+    p.add_argument(
+        "--json", type=Path, default=None, help="write every column per variant, plus run metadata"
+    )
     p.add_argument("--png", type=Path, default=None, help="write a chart (needs matplotlib)")
     p.add_argument("--markdown", type=Path, default=None, help="write the Markdown table (also printed)")
-    p.add_argument("--strategies", action="store_true", help="also run autoweave with each AC strategy forced")
+    p.add_argument(
+        "--strategies", action="store_true", help="also run autoweave with each AC strategy forced"
+    )
     p.add_argument("--fullgraph", action="store_true", help="also run block.compile(fullgraph=True)")
     p.add_argument(
         "--glue-gemm", action="store_true", help="MoE blocks combine with an einsum in their own forward"
     )
-    p.add_argument("--quick", action="store_true", help="tiny model, aot_eager, 1 repeat, few steps (a smoke test)")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny model, aot_eager, 1 repeat, few steps (a smoke test)"
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per torchrun call")
     a = p.parse_args(argv)
     base = QUICK if a.quick else DEFAULTS
@@ -147,7 +164,9 @@ def _child_env(cache_dir: str) -> dict[str, str]:
     return env
 
 
-def run_repeat(order: list[str], a: argparse.Namespace, index: int) -> tuple[dict[str, dict[str, Any]], float]:
+def run_repeat(
+    order: list[str], a: argparse.Namespace, index: int
+) -> tuple[dict[str, dict[str, Any]], float]:
     """One torchrun over ``order``; returns (records by variant, wall seconds). Never raises."""
     with tempfile.TemporaryDirectory(prefix="weave_bench_") as tmp:
         out = Path(tmp) / "records.json"
@@ -178,7 +197,11 @@ def run_repeat(order: list[str], a: argparse.Namespace, index: int) -> tuple[dic
         if out.exists():
             try:
                 for rec in json.loads(out.read_text()):
-                    key = REFERENCE if rec["order"] == REFERENCE else f"{rec['order']}:{'on' if rec['autoweave'] else 'off'}"
+                    key = (
+                        REFERENCE
+                        if rec["order"] == REFERENCE
+                        else f"{rec['order']}:{'on' if rec['autoweave'] else 'off'}"
+                    )
                     if rec.get("strategy", "auto") != "auto":
                         key += f":{rec['strategy']}"
                     records[key] = rec
@@ -217,7 +240,9 @@ def _max_rel_loss_diff(losses: list[float], reference: list[float]) -> float | N
 
 def aggregate(runs: list[dict[str, dict[str, Any]]], variants: list[str]) -> list[dict[str, Any]]:
     """One row per variant with every column of COLUMNS (None where not measured) and the raw repeats."""
-    ref_losses = [run[REFERENCE].get("losses") for run in runs if REFERENCE in run and "error" not in run[REFERENCE]]
+    ref_losses = [
+        run[REFERENCE].get("losses") for run in runs if REFERENCE in run and "error" not in run[REFERENCE]
+    ]
     rows = []
     for variant in variants:
         recs = [run.get(variant, {"error": "missing"}) for run in runs]
@@ -329,8 +354,11 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "(run eager); eager fwd GEMMs: forward matmuls outside compiled graphs (profiler). Times are medians "
         "over repeats; first step includes compilation; step ÷ autoweave divides median step times. "
         "Loss diff: max over the checked steps of |loss − eager loss| / |eager loss|. "
-        + ("Peak RSS: rank 0's peak while the variant ran." if all(r.get("peak_rss_scope") != "process" for r in rows)
-           else "Peak RSS: rank 0's process peak so far (could not reset per variant)."),
+        + (
+            "Peak RSS: rank 0's peak while the variant ran."
+            if all(r.get("peak_rss_scope") != "process" for r in rows)
+            else "Peak RSS: rank 0's process peak so far (could not reset per variant)."
+        ),
     ]
     failed = [r for r in rows if r["repeat_errors"]]
     if failed:
@@ -347,8 +375,14 @@ def chart(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["label"].split(" (")[0] + ("\n(" + r["label"].split(" (", 1)[1] if " (" in r["label"] else "") for r in rows]
-    colors = ["#d62728" if r["variant"] == AUTOWEAVE else "#7f7f7f" if r["variant"] == REFERENCE else "#1f77b4" for r in rows]
+    names = [
+        r["label"].split(" (")[0] + ("\n(" + r["label"].split(" (", 1)[1] if " (" in r["label"] else "")
+        for r in rows
+    ]
+    colors = [
+        "#d62728" if r["variant"] == AUTOWEAVE else "#7f7f7f" if r["variant"] == REFERENCE else "#1f77b4"
+        for r in rows
+    ]
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
     panels = (
         ("eager_gemms", "forward GEMMs outside compiled graphs (lower is better)", "{:.0f}"),
@@ -437,7 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         a.markdown.write_text(table)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"meta": meta, "columns": list(COLUMN_KEYS), "rows": rows}, indent=1) + "\n")
+        a.json.write_text(
+            json.dumps({"meta": meta, "columns": list(COLUMN_KEYS), "rows": rows}, indent=1) + "\n"
+        )
     if a.png:
         try:
             chart(rows, meta, a.png)

@@ -38,7 +38,7 @@ def _start() -> None:
     except ImportError:
         sys.path.insert(0, checkout)
     try:
-        from autoweave._bootstrap import startup
+        from autoweave.startup import startup
     except Exception as exc:
         sys.stderr.write(f"autoweave: cannot load autoweave from {checkout}: {exc!r}\n")
         return

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
-from autoweave import _compat, capture
+from autoweave import _compat
+from autoweave.observe import counting
 from tests.break_models import fsdp_like
 
 # A torch.compiler.disable'd pre-hook, as fully_shard gives a unit: a real graph break.
@@ -60,10 +61,10 @@ class RecompileLimitHits(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.messages: list[str] = []
-        self._logger = logging.getLogger(capture.RECOMPILE_LIMIT_LOGGER)
+        self._logger = logging.getLogger(counting.RECOMPILE_LIMIT_LOGGER)
 
     def emit(self, record: logging.LogRecord) -> None:
-        if capture.RECOMPILE_LIMIT_NEEDLE in record.getMessage():
+        if counting.RECOMPILE_LIMIT_NEEDLE in record.getMessage():
             self.messages.append(record.getMessage())
 
     def __enter__(self) -> RecompileLimitHits:

@@ -1,7 +1,7 @@
 """Worker for tests/test_report.py: the example MoE under real gloo FSDP2, 2 steps.
 
 ``python -m torch.distributed.run --standalone --nproc_per_node=2 tests/report_worker.py OUT {on,off}``
-compiles each block with a counting backend (``capture.Capture``), autoweave on or
+compiles each block with a counting backend (``counting.Capture``), autoweave on or
 (``off``) with every compile made inside ``autoweave.disabled()``; the report
 itself comes from ``AUTOWEAVE_REPORT`` in the environment. Rank r writes
 ``OUT/capture{r}.json`` with the counting backend's numbers.
@@ -31,7 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import autoweave  # noqa: E402
-from autoweave import capture  # noqa: E402
+from autoweave.observe import counting  # noqa: E402
 
 
 def _example():
@@ -75,7 +75,7 @@ def _train(ex, out: Path, weave: bool, rank: int, world: int) -> None:
     model.init_weights(0)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     expert_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep_fsdp",))
-    cap = capture.Capture()
+    cap = counting.Capture()
     backend = cap.backend("aot_eager")
     ex.apply_ac(model, "full")
     with contextlib.nullcontext() if weave else autoweave.disabled():

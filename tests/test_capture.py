@@ -1,4 +1,4 @@
-"""``capture.FallbackCounter``: overlapping counters leave dynamo's logger as they found it."""
+"""``counting.FallbackCounter``: overlapping counters leave dynamo's logger as they found it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from autoweave import capture
+from autoweave.observe import counting
 
 
 class _Records(logging.Handler):
@@ -21,7 +21,7 @@ class _Records(logging.Handler):
 
 @pytest.fixture
 def dynamo_logger():
-    log = logging.getLogger(capture.FALLBACK_LOGGER)
+    log = logging.getLogger(counting.FALLBACK_LOGGER)
     saved = (log.level, log.propagate)
     log.setLevel(logging.WARNING)  # torch's default: INFO is not shown
     log.propagate = True
@@ -31,14 +31,14 @@ def dynamo_logger():
 
 
 def test_counters_uninstalled_out_of_order_restore_the_logger(dynamo_logger: logging.Logger) -> None:
-    first, second = capture.FallbackCounter().install(), capture.FallbackCounter().install()
+    first, second = counting.FallbackCounter().install(), counting.FallbackCounter().install()
     first.uninstall()  # not last-in-first-out
     assert (dynamo_logger.level, dynamo_logger.propagate) == (logging.INFO, False)  # second still listens
     dynamo_logger.info("... will fall back to eager-mode PyTorch")
     assert (first.count, second.count) == (0, 1)
     second.uninstall()
     assert (dynamo_logger.level, dynamo_logger.propagate) == (logging.WARNING, True)
-    assert capture._listener not in dynamo_logger.handlers
+    assert counting._listener not in dynamo_logger.handlers
 
 
 def test_overlapping_counters_pass_a_warning_on_once(dynamo_logger: logging.Logger) -> None:
@@ -47,7 +47,7 @@ def test_overlapping_counters_pass_a_warning_on_once(dynamo_logger: logging.Logg
     assert parent is not None
     parent.addHandler(seen)
     try:
-        with capture.FallbackCounter() as a, capture.FallbackCounter() as b:
+        with counting.FallbackCounter() as a, counting.FallbackCounter() as b:
             dynamo_logger.warning("shown by torch's handlers as before")
             dynamo_logger.info("hidden: torch shows no INFO here")
         assert [r.getMessage() for r in seen.records] == ["shown by torch's handlers as before"]
@@ -64,7 +64,7 @@ def test_counters_in_two_threads_entered_and_exited_interleaved(dynamo_logger: l
     def run(name: str, enter_after: int, exit_after: int, done: int, entered: int) -> None:
         if enter_after >= 0:
             steps[enter_after].wait(10)
-        with capture.FallbackCounter() as counter:
+        with counting.FallbackCounter() as counter:
             steps[entered].set()
             steps[exit_after].wait(10)
             dynamo_logger.info(f"{name}: will fall back to eager-mode PyTorch")

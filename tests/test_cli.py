@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import autoweave
 from autoweave import __main__ as cli
-from autoweave import doctor, explainer
+from autoweave.cli import doctor, explainer
 from tests.models import Block
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,7 +193,10 @@ def test_doctor_live_fix_names_the_real_cause() -> None:
         "[unsupported-torch] torch 2.16.0 is newer than the newest tested (2.15) and lacks what autoweave "
         "needs: torch._x; staying off, torch runs unpatched. Install a tested torch (2.11 to 2.15) or unset AUTOWEAVE."
     )
-    assert doctor._live_fix({"off_reason": reason}, True) == "Install a tested torch (2.11 to 2.15) or unset AUTOWEAVE"
+    assert (
+        doctor._live_fix({"off_reason": reason}, True)
+        == "Install a tested torch (2.11 to 2.15) or unset AUTOWEAVE"
+    )
     present = doctor._live_fix({}, True)
     assert "start-up file is present" in present and "install autoweave's start-up file" not in present
     assert "pip install torch-autoweave" in doctor._live_fix({}, False)

@@ -23,9 +23,20 @@ def _train(tmp: Path, weave: bool, *extra: str) -> tuple[list[float], str]:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "sitecustomize"), env.get("PYTHONPATH", "")])
         env.update(AUTOWEAVE="1", AUTOWEAVE_LOG_LEVEL="info", AUTOWEAVE_REPORT=str(tmp / "report{rank}.json"))
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        str(ROOT / "examples" / "train_moe.py"), "--steps", "3", "--backend", "aot_eager",
-        "--no-progress", "--losses-out", str(out), *extra,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "examples" / "train_moe.py"),
+        "--steps",
+        "3",
+        "--backend",
+        "aot_eager",
+        "--no-progress",
+        "--losses-out",
+        str(out),
+        *extra,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -34,7 +45,9 @@ def _train(tmp: Path, weave: bool, *extra: str) -> tuple[list[float], str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("--compile-style", "inplace", "--fullgraph")], ids=["wrap", "inplace-fullgraph"])
+@pytest.mark.parametrize(
+    "extra", [(), ("--compile-style", "inplace", "--fullgraph")], ids=["wrap", "inplace-fullgraph"]
+)
 def test_example_trains_with_autoweave_on_and_off_alike(tmp_path: Path, extra: tuple[str, ...]) -> None:
     on, log = _train(tmp_path, True, *extra)
     assert "autoweave plan" in log and "FSDP unit (fully_shard)" in log

@@ -16,8 +16,9 @@ from torch._dynamo.utils import counters
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import _log, _state, capture, plan_log, report
+from autoweave import _log, _state
 from autoweave._settings import Settings
+from autoweave.observe import counting, report, summary
 from benchmarks.measure import forward_gemms_outside_graphs
 from tests.models import Block, RecompileLimitHits, recompiles
 
@@ -42,15 +43,15 @@ def weave_on(weave_on):  # the shared one (tests/conftest.py), and the report st
 
 
 def test_fold_names() -> None:
-    assert plan_log.fold_names(["layers.1", "layers.2", "layers.3"]) == "layers.1-3"
-    assert plan_log.fold_names(["layers.1.moe.experts", "layers.2.moe.experts"]) == "layers.1-2.moe.experts"
-    assert plan_log.fold_names(["layers.1", "layers.3"]) == "layers.{1,3}"
-    assert plan_log.fold_names(["a", "b"]) == "a, b"
+    assert summary.fold_names(["layers.1", "layers.2", "layers.3"]) == "layers.1-3"
+    assert summary.fold_names(["layers.1.moe.experts", "layers.2.moe.experts"]) == "layers.1-2.moe.experts"
+    assert summary.fold_names(["layers.1", "layers.3"]) == "layers.{1,3}"
+    assert summary.fold_names(["a", "b"]) == "a, b"
 
 
 def test_display_path_drops_wrapper_segments() -> None:
-    assert plan_log.display_path("_checkpoint_wrapped_module.moe.experts") == "moe.experts"
-    assert plan_log.display_path("_orig_mod._checkpoint_wrapped_module") == "<root>"
+    assert summary.display_path("_checkpoint_wrapped_module.moe.experts") == "moe.experts"
+    assert summary.display_path("_orig_mod._checkpoint_wrapped_module") == "<root>"
 
 
 def test_settings_report_variable() -> None:
@@ -61,9 +62,9 @@ def test_settings_report_variable() -> None:
 
 
 def test_every_action_has_a_verb_in_the_plan_log() -> None:
-    from autoweave.planner import Action
+    from autoweave.planning.planner import Action
 
-    assert set(plan_log._VERBS) == set(Action)
+    assert set(summary._VERBS) == set(Action)
 
 
 def test_plan_log_folds_blocks_and_names_them(weave_on, caplog) -> None:
@@ -91,7 +92,7 @@ def test_plan_log_folds_blocks_and_names_them(weave_on, caplog) -> None:
 def test_report_counts_match_a_counting_backend(weave_on, tmp_path) -> None:
     torch.manual_seed(0)
     report.start(str(tmp_path / "r{rank}.json"))
-    model, cap = Stack(), capture.Capture()
+    model, cap = Stack(), counting.Capture()
     backend = cap.backend()
     for i, block in enumerate(model.layers):
         model.layers[i] = torch.compile(cw.checkpoint_wrapper(block), backend=backend)
@@ -297,7 +298,9 @@ def test_a_process_that_compiles_nothing_writes_and_prints_nothing(tmp_path: Pat
     # torchrun's launcher: AUTOWEAVE=1 and AUTOWEAVE_REPORT inherited, torch imported, no RANK.
     template = str(tmp_path / "r{rank}.json")
     idle = _python(
-        "from autoweave import report\nassert report._stats is not None  # collecting\n", tmp_path, AUTOWEAVE_REPORT=template
+        "from autoweave.observe import report\nassert report._stats is not None  # collecting\n",
+        tmp_path,
+        AUTOWEAVE_REPORT=template,
     )
     assert idle.returncode == 0, idle.stderr
     assert list(tmp_path.iterdir()) == [] and "autoweave" not in idle.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from autoweave._torchlogs import requested_level
+from autoweave.observe.torch_logs import requested_level
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,7 @@ def test_plus_autoweave_shows_debug_lines_through_torchs_handler() -> None:
     # patches.py logs each patch at DEBUG; torch's format names the file and line.
     debug = [line for line in err.splitlines() if "patched torch.compile" in line]
     assert len(debug) == 1, err
-    assert debug[0].startswith("V") and "autoweave/patches.py:" in debug[0]
+    assert debug[0].startswith("V") and "autoweave/dispatch/patches.py:" in debug[0]
 
 
 @pytest.mark.slow

@@ -77,14 +77,19 @@ def test_example_trace_shows_autoweave_artifacts_in_tlparse(tmp_path: Path) -> N
 
 
 def test_region_label_sees_through_resume_functions() -> None:
-    from autoweave import _state, _trace
+    from autoweave import _state
+    from autoweave.observe import trace
 
-    _state.run.trace_regions["autoweave_Block_x_1"] = {"label": "autoweave_Block_x_1", "modules": [], "decisions": []}
+    _state.run.trace_regions["autoweave_Block_x_1"] = {
+        "label": "autoweave_Block_x_1",
+        "modules": [],
+        "decisions": [],
+    }
     try:
-        assert _trace.region_label("autoweave_Block_x_1") == "autoweave_Block_x_1"
+        assert trace.region_label("autoweave_Block_x_1") == "autoweave_Block_x_1"
         resume = "torch_dynamo_resume_in_torch_dynamo_resume_in_autoweave_Block_x_1_at_190_at_193"
-        assert _trace.region_label(resume) == "autoweave_Block_x_1"
-        assert _trace.region_label("autoweave_Block_x_12") is None  # another region, not a prefix match
-        assert _trace.region_label("forward") is None
+        assert trace.region_label(resume) == "autoweave_Block_x_1"
+        assert trace.region_label("autoweave_Block_x_12") is None  # another region, not a prefix match
+        assert trace.region_label("forward") is None
     finally:
         _state.reset()

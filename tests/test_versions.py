@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from autoweave import _compat, doctor
+from autoweave import _compat
+from autoweave.cli import doctor
 
 ROOT = Path(__file__).resolve().parents[1]
 LOW, HIGH = _compat.TESTED_TORCH
@@ -57,7 +58,9 @@ def test_the_self_check_finds_everything_on_this_torch_and_names_what_is_missing
     assert _compat.self_check() == []
     needs = _compat._needs()
     monkeypatch.setattr(
-        _compat, "_needs", lambda: (*needs, ("torch._no_such_name", lambda: _compat._first("torch._no_such_name")))
+        _compat,
+        "_needs",
+        lambda: (*needs, ("torch._no_such_name", lambda: _compat._first("torch._no_such_name"))),
     )
     assert _compat.self_check() == ["torch._no_such_name"]
 
@@ -79,14 +82,14 @@ import os
 import torch
 torch.__version__ = "{version}"
 os.environ["AUTOWEAVE"] = "1"  # after torch's import: the start-up file's hooks saw nothing
-from autoweave import _bootstrap, _compat, _settings
+from autoweave import _compat, _settings, startup
 _settings.reload()
 {missing}
-_bootstrap._on_torch_import(torch)
+startup._on_torch_import(torch)
 import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as cw
-_bootstrap._on_checkpoint_wrapper_import(cw)
-from autoweave import patches
-print("OFF", _bootstrap.off_reason() is not None, "PATCHED", sorted(patches.applied()))
+startup._on_checkpoint_wrapper_import(cw)
+from autoweave.dispatch import patches
+print("OFF", startup.off_reason() is not None, "PATCHED", sorted(patches.applied()))
 """
 _MISSING = """
 needs = _compat._needs

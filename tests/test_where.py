@@ -1,4 +1,4 @@
-"""Boundaries and graph breaks named by the user's file:line (autoweave/_where.py), in one process."""
+"""Boundaries and graph breaks named by the user's file:line (autoweave/observe/graph_breaks.py), in one process."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import torch
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import _state, _where, planner, report
+from autoweave import _state
+from autoweave.observe import graph_breaks, report
+from autoweave.planning import planner
 from tests import models
 
 
@@ -59,8 +61,11 @@ def test_site_of_record_takes_the_innermost_user_frame() -> None:
         f'  File "/home/u/model.py", line 38, in forward\n'
         f'  File "{torch_file}", line 1800, in inner\n'
     )
-    assert _where.site_of_record(text) == "/home/u/model.py:38"
-    assert _where.site_of_record(f"Graph break in user code at {torch_file}:5\nGraph Break Reason: x") is None
+    assert graph_breaks.site_of_record(text) == "/home/u/model.py:38"
+    assert (
+        graph_breaks.site_of_record(f"Graph break in user code at {torch_file}:5\nGraph Break Reason: x")
+        is None
+    )
 
 
 @pytest.fixture

@@ -15,8 +15,11 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import autoweave
-from autoweave import _state, capture, checkpoints, memory, planner, runtime
-from autoweave.planner import Action
+from autoweave import _state
+from autoweave.dispatch import dispatchers
+from autoweave.observe import counting
+from autoweave.planning import checkpoint_calls, memory, planner
+from autoweave.planning.planner import Action
 from benchmarks.measure import forward_gemms_outside_graphs as _eager_gemms
 from tests import break_models as bm
 from tests.models import make_break
@@ -33,7 +36,7 @@ _ac = bm.with_ac
 def _train(model: nn.Module, x: torch.Tensor, steps: int = 3) -> dict:
     fallbacks, outs, grads = [], [], []
     for _ in range(steps):
-        with capture.FallbackCounter() as watch:
+        with counting.FallbackCounter() as watch:
             out = model(x)
             out.square().mean().backward()
         fallbacks.append(watch.count)
@@ -84,7 +87,7 @@ def test_any_break_under_ac_is_compiled_around(make, n_breaks, ac):
     assert sum(got["fallbacks"]) <= (1 if ac == "full" else n_breaks)
     assert got["fallbacks"][-2:] == [0, 0]
     _assert_numerics(got, ref)
-    plan = runtime.dispatcher_of(model).plan
+    plan = dispatchers.dispatcher_of(model).plan
     assert plan.woven and plan.strategy == "auto" and plan.mode == "auto"
     root = plan.decision("")
     # Selective AC: pieces, unless they were measured holding more than eager SAC (then hoist, saying so).
@@ -110,7 +113,7 @@ def test_selective_ac_splits_at_the_break_and_checkpoints_each_piece():
             autoweave.set_mode(_ac(make(), "selective"), strategy="pieces"), backend=BACKEND
         )
         _train(model, x, steps=2)
-        plan = runtime.dispatcher_of(model).plan
+        plan = dispatchers.dispatcher_of(model).plan
         assert plan.decision("").action is Action.PIECES
         inner = plan.decision("_checkpoint_wrapped_module")
         assert inner.action is Action.SPLIT and inner.pieces and inner.checkpoint.selective
@@ -128,7 +131,7 @@ def test_selective_ac_push_down_compiles_around_the_breaking_module_under_the_po
         autoweave.set_mode(_ac(bm.BreakBlock(), "selective"), strategy="push-down"), backend=BACKEND
     )
     _train(model, torch.randn(6, bm.DIM), steps=2)
-    plan = runtime.dispatcher_of(model).plan
+    plan = dispatchers.dispatcher_of(model).plan
     experts = plan.decision("_checkpoint_wrapped_module.experts")
     # The experts break in their own forward: its children compile, each under the policy.
     assert experts.action is Action.WEAVE and "break_models.py" in experts.reason
@@ -140,7 +143,7 @@ def test_selective_ac_push_down_compiles_around_the_breaking_module_under_the_po
         autoweave.set_mode(_ac(bm.LoopBlock(), "selective"), strategy="push-down"), backend=BACKEND
     )
     _train(loop, torch.randn(6, bm.DIM), steps=2)
-    experts = runtime.dispatcher_of(loop).plan.decision("_checkpoint_wrapped_module.experts")
+    experts = dispatchers.dispatcher_of(loop).plan.decision("_checkpoint_wrapped_module.experts")
     assert experts.action is Action.EAGER and experts.checkpoint is not None and experts.checkpoint.selective
 
 
@@ -151,7 +154,7 @@ def test_a_break_the_user_disabled_stays_eager():
     model = torch.compile(_ac(block, "full"), backend=BACKEND)
     got = _train(model, torch.randn(6, bm.DIM))
     assert got["fallbacks"] == [0, 0, 0]  # a known boundary: planned before the first call
-    experts = runtime.dispatcher_of(model).plan.decision("_checkpoint_wrapped_module.experts")
+    experts = dispatchers.dispatcher_of(model).plan.decision("_checkpoint_wrapped_module.experts")
     assert experts.action is Action.EAGER and "as the user asked" in experts.reason
 
 
@@ -162,12 +165,12 @@ def test_checkpoint_calls_are_read_from_code():
     assert not planner.calls_checkpoint(bm.FlagNamedCheckpoint())
     assert not planner.calls_checkpoint(bm.PlainMoE())
     layer = bm.CallCheckpointLayer()
-    assert not checkpoints.call_checkpoints(layer)  # checkpointing not enabled: nothing to call
-    assert checkpoints.call_checkpoints(layer.enable_checkpointing(use_reentrant=False))
-    assert checkpoints.is_checkpoint(
+    assert not checkpoint_calls.call_checkpoints(layer)  # checkpointing not enabled: nothing to call
+    assert checkpoint_calls.call_checkpoints(layer.enable_checkpointing(use_reentrant=False))
+    assert checkpoint_calls.is_checkpoint(
         functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     )
-    assert not checkpoints.is_checkpoint(torch.relu)
+    assert not checkpoint_calls.is_checkpoint(torch.relu)
 
 
 CODE_CHECKPOINTS = [bm.AliasCheckpointBlock, bm.AttributeCheckpointBlock, bm.HelperCheckpointBlock]
@@ -184,7 +187,7 @@ def test_checkpoint_in_code_over_a_boundary_is_woven_from_the_first_call(make):
     got = _train(model, x)
     assert got["fallbacks"] == [0, 0, 0]
     _assert_numerics(got, ref)
-    assert runtime.dispatcher_of(model).plan.woven
+    assert dispatchers.dispatcher_of(model).plan.woven
 
 
 def test_layer_that_checkpoints_in_call_is_woven_from_the_first_call():
@@ -201,7 +204,7 @@ def test_layer_that_checkpoints_in_call_is_woven_from_the_first_call():
     got = _train(model, x)
     assert got["fallbacks"] == [0, 0, 0]
     _assert_numerics(got, ref)
-    plan = runtime.dispatcher_of(model).plan
+    plan = dispatchers.dispatcher_of(model).plan
     assert plan.decision("").action is Action.HOIST and "__call__" in plan.decision("").reason
     assert _eager_gemms(model, x) == 0  # all of it compiled: experts' forward in its own region
 
@@ -227,7 +230,7 @@ def test_whole_model_compile_is_woven_from_the_first_step(how, ac):
     got = _train(compiled, x)
     assert got["fallbacks"] == [0, 0, 0]
     _assert_numerics(got, ref)
-    plan = runtime.dispatcher_of(compiled).plan
+    plan = dispatchers.dispatcher_of(compiled).plan
     assert plan.woven and plan.mode == "auto" and plan.strategy == "auto"
     layer = plan.decision("layers.0")
     measured = memory.hoist_reason(model.layers[0])  # selective AC: pieces unless measured heavier
@@ -244,7 +247,7 @@ def test_whole_model_compile_is_woven_from_the_first_step(how, ac):
 
 
 def test_report_tells_a_one_time_first_call_fallback_from_a_lasting_one():
-    from autoweave import report
+    from autoweave.observe import report
 
     _state.reset()
     report.start(None)
@@ -296,7 +299,7 @@ def test_selective_policy_sees_the_ops_it_was_written_for_with_inductor(make):
     wrapped = autoweave.set_mode(cw.checkpoint_wrapper(block, context_fn=context), strategy="pieces")
     model = torch.compile(wrapped, backend="inductor")
     woven = run(model)
-    assert runtime.dispatcher_of(model).plan.woven
+    assert dispatchers.dispatcher_of(model).plan.woven
     assert not [op for op, _ in woven if op.endswith(".out")], woven
     saved = {op for op, decision in woven if decision == "MUST_SAVE"}
     assert saved and saved <= {op for op, decision in eager if decision == "MUST_SAVE"}

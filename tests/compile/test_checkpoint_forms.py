@@ -20,7 +20,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import autoweave
-from autoweave import _compat, decorated_checkpoints
+from autoweave import _compat
+from autoweave.weave import decorated_checkpoints
 from benchmarks.measure import forward_gemms_outside_graphs
 from tests.break_models import fsdp_like
 from tests.models import saved_bytes
@@ -184,10 +185,10 @@ def _checkpoints_in_forward() -> bool:
 
 @pytest.mark.slow
 def test_transformers_layers_are_found_where_their_version_checkpoints() -> None:
-    from autoweave import checkpoints, planner
+    from autoweave.planning import checkpoint_calls, planner
 
     layer = _tiny_qwen3_moe(layers=1).model.layers[0]
-    in_call = checkpoints.call_checkpoints(layer)
+    in_call = checkpoint_calls.call_checkpoints(layer)
     in_forward = planner.calls_checkpoint(layer)
     assert (in_call, in_forward) == ((False, True) if _checkpoints_in_forward() else (True, False))
 

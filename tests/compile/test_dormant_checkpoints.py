@@ -17,7 +17,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import autoweave
-from autoweave import planner
+from autoweave.planning import planner
 from tests.break_models import fsdp_like
 from tests.models import saved_bytes
 
@@ -71,7 +71,9 @@ def _save_nothing(ctx, op, *args, **kwargs):
 
 
 def _selective(module: nn.Module) -> nn.Module:
-    return checkpoint_wrapper(module, context_fn=functools.partial(create_selective_checkpoint_contexts, _save_nothing))
+    return checkpoint_wrapper(
+        module, context_fn=functools.partial(create_selective_checkpoint_contexts, _save_nothing)
+    )
 
 
 def test_a_dormant_branch_is_not_read_as_a_checkpoint_and_an_active_one_is() -> None:

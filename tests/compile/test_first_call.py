@@ -22,8 +22,9 @@ from torch._dynamo.backends.registry import lookup_backend
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import _compat, runtime
+from autoweave import _compat
 from autoweave._failopen import AutoweaveError
+from autoweave.dispatch import dispatchers
 from tests.models import MoE
 
 # Every entry into Counted.forward (dynamo replays the append once per compiled call).
@@ -41,7 +42,9 @@ class Counted(nn.Module):
         self.out = nn.Linear(dim, dim)
         self.register_buffer("steps", torch.zeros(()))
 
-    def forward(self, x: torch.Tensor, reject: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, reject: bool = False, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         ENTRIES.append(1)
         self.steps.add_(1)
         if reject:
@@ -123,7 +126,7 @@ def test_a_backend_failure_at_the_first_call_runs_that_graph_eager_and_the_forwa
     err = capfd.readouterr().err
     assert err.count("[graph-eager]") == 1 and "picky backend rejects cos" in err, err
     assert "[internal-error]" not in err and "[weave-failed]" not in err
-    assert runtime.dispatcher_of(model).woven  # the rest of the weave stays compiled
+    assert dispatchers.dispatcher_of(model).woven  # the rest of the weave stays compiled
 
 
 @pytest.mark.parametrize("error", ["raise", "shape"])
@@ -148,7 +151,7 @@ def test_the_models_own_error_at_the_first_call_is_raised_once_as_plain_torch_ra
     assert str(our_error) == str(plain_error)
     _no_autoweave_warning(capfd.readouterr().err)
     # The weave stays, and the next call runs as it should.
-    assert runtime.dispatcher_of(model).woven
+    assert dispatchers.dispatcher_of(model).woven
     reference = cw.checkpoint_wrapper(copy.deepcopy(block))
     out, entries = _forward(model, x)
     assert entries == 1
@@ -218,7 +221,7 @@ def test_a_frame_dynamo_cannot_convert_at_the_first_call_runs_eager_and_the_forw
     err = capfd.readouterr().err
     assert err.count("[region-eager]") == 1 and "injected conversion failure" in err, err
     assert "Counted" in err and "WON'T CONVERT" not in err  # autoweave's one warning, not dynamo's
-    assert runtime.dispatcher_of(model).woven
+    assert dispatchers.dispatcher_of(model).woven
 
 
 def test_a_failure_at_the_first_call_raises_in_strict_mode(failing_conversion, monkeypatch):

@@ -16,7 +16,9 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import _state, capture, runtime
+from autoweave import _state
+from autoweave.dispatch import dispatchers
+from autoweave.observe import counting
 from tests.models import Block
 
 
@@ -127,7 +129,7 @@ def test_save_and_copy_behave_as_plain_torch(how, called, op):
         torch.testing.assert_close(_step(duplicate, x), model(x).detach())
         results[on] = (type(duplicate.layers[0]).__name__, sorted(duplicate.state_dict()))
         if on and called:
-            assert runtime.dispatcher_of(model.layers[0]).plan.woven  # the original was woven
+            assert dispatchers.dispatcher_of(model.layers[0]).plan.woven  # the original was woven
     assert results[True] == results[False]
 
 
@@ -135,7 +137,7 @@ def test_save_and_copy_behave_as_plain_torch(how, called, op):
 def test_pickle_of_a_woven_model_names_no_autoweave_code(how):
     model = _build(how, True)
     _step(model, torch.randn(4, 8))
-    assert runtime.dispatcher_of(model.layers[0]).woven
+    assert dispatchers.dispatcher_of(model.layers[0]).woven
     data = pickle.dumps(model)
     loader = _Recording(data)
     loader.load()
@@ -153,23 +155,23 @@ def test_deepcopy_of_a_compiled_module_runs_woven():
     x = torch.randn(4, 8)
     model = torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
     _step(model, x)
-    assert runtime.dispatcher_of(model).woven
+    assert dispatchers.dispatcher_of(model).woven
     for when in ("after", "before"):
         source = (
             model if when == "after" else torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
         )
         duplicate = copy.deepcopy(source)
-        assert runtime.dispatcher_of(duplicate) is not runtime.dispatcher_of(source)
-        with capture.FallbackCounter() as fallbacks:
+        assert dispatchers.dispatcher_of(duplicate) is not dispatchers.dispatcher_of(source)
+        with counting.FallbackCounter() as fallbacks:
             _step(duplicate, x)
         assert fallbacks.count == 0
-        assert runtime.dispatcher_of(duplicate).woven
+        assert dispatchers.dispatcher_of(duplicate).woven
         # The copy's parameters are its own; the original's are untouched by it.
         assert all(a is not b for a, b in zip(duplicate.parameters(), source.parameters(), strict=True))
     # Plain torch's copy of the same compile falls back (the reason the copy must be woven).
     with autoweave.disabled():
         plain = torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
-    with capture.FallbackCounter() as fallbacks:
+    with counting.FallbackCounter() as fallbacks:
         _step(copy.deepcopy(plain), x)
     assert fallbacks.count >= 1
 
@@ -204,7 +206,7 @@ def test_disable_true_is_passed_through_quietly_even_in_strict_mode(how, capfd, 
         block.compile(disable=True)
         model = block
     torch.testing.assert_close(model(x), block(x))
-    assert runtime.dispatcher_of(model) is None
+    assert dispatchers.dispatcher_of(model) is None
     err = capfd.readouterr().err
     assert "autoweave" not in err
 
@@ -233,7 +235,7 @@ def test_torch_jit_script_after_an_in_place_compile_scripts_as_plain_torch(make,
         if called:
             module(x)
         scripted[on] = torch.jit.script(module)
-    assert runtime.dispatcher_of(module) is not None  # the module scripted was autoweave's
+    assert dispatchers.dispatcher_of(module) is not None  # the module scripted was autoweave's
     torch.testing.assert_close(scripted[True](x), scripted[False](x))
 
 
@@ -250,7 +252,7 @@ def test_the_users_own_error_is_raised_as_plain_torch_raises_it_and_the_weave_st
     model = torch.compile(cw.checkpoint_wrapper(Picky()), backend="aot_eager")
     with pytest.raises(ValueError, match="batch of 3 rejected"):
         model(torch.randn(3, 8))
-    dispatcher = runtime.dispatcher_of(model)
+    dispatcher = dispatchers.dispatcher_of(model)
     assert dispatcher.woven and not dispatcher.fell_back
     _step(model, torch.randn(4, 8))
     assert dispatcher.woven
@@ -259,8 +261,8 @@ def test_the_users_own_error_is_raised_as_plain_torch_raises_it_and_the_weave_st
 
 def test_a_forward_does_not_walk_the_module_tree(monkeypatch):
     walks = []
-    real = runtime._fingerprint
-    monkeypatch.setattr(runtime, "_fingerprint", lambda target: walks.append(target) or real(target))
+    real = dispatchers._fingerprint
+    monkeypatch.setattr(dispatchers, "_fingerprint", lambda target: walks.append(target) or real(target))
     model = torch.compile(cw.checkpoint_wrapper(MarkedBlock()), backend="aot_eager")
     x = torch.randn(4, 8)
     for _ in range(2):  # compiling may register modules (graph modules): a walk or two
@@ -270,7 +272,7 @@ def test_a_forward_does_not_walk_the_module_tree(monkeypatch):
     for _ in range(5):
         _step(model, x)
     assert len(walks) == warm  # steady state: no walk per call (recompute included)
-    dispatcher = runtime.dispatcher_of(model)
+    dispatcher = dispatchers.dispatcher_of(model)
     # A change to the tree is still seen: a new child, then a new boundary, re-plan.
     block = model._orig_mod._checkpoint_wrapped_module
     block.extra = nn.Identity()
@@ -296,12 +298,12 @@ def test_fully_shard_after_the_first_forward_replans(monkeypatch):
         model = torch.compile(cw.checkpoint_wrapper(block), backend="aot_eager")
         x = torch.randn(4, 8)
         model(x)
-        assert not runtime.dispatcher_of(model).plan.boundaries
+        assert not dispatchers.dispatcher_of(model).plan.boundaries
         before = _state.run.generation
         fully_shard(block.ffn.experts, mesh=init_device_mesh("cpu", (2,)))
         assert _state.run.generation > before
         model(x)
-        plan = runtime.dispatcher_of(model).plan
+        plan = dispatchers.dispatcher_of(model).plan
         assert plan.woven
         assert plan.decision("_checkpoint_wrapped_module.ffn.experts").reason.startswith("FSDP unit")
     finally:

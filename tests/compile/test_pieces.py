@@ -21,8 +21,10 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import autoweave
-from autoweave import _state, capture, plan_log, runtime
-from autoweave.planner import Action
+from autoweave import _state
+from autoweave.dispatch import dispatchers
+from autoweave.observe import counting, summary
+from autoweave.planning.planner import Action
 from benchmarks.measure import forward_gemms_outside_graphs as _gemms_outside_graphs
 from tests import break_models as bm
 
@@ -44,7 +46,7 @@ def weave_on():
 def _train(model: nn.Module, x: torch.Tensor, steps: int = 3) -> dict:
     fallbacks, outs = [], []
     for _ in range(steps):
-        with capture.FallbackCounter() as watch:
+        with counting.FallbackCounter() as watch:
             out = model(x)
             out.square().mean().backward()
         fallbacks.append(watch.count)
@@ -82,7 +84,7 @@ def test_pieces_compile_every_forward_gemm_glue_included(ac):
     assert got["fallbacks"] == [0, 0, 0]
     assert _gemms_outside_graphs(pieces, x) == 0
     _assert_same(got, ref)
-    plan = runtime.dispatcher_of(pieces).plan
+    plan = dispatchers.dispatcher_of(pieces).plan
     assert plan.decision("").action is Action.PIECES
     assert plan.decision("_checkpoint_wrapped_module").pieces
 
@@ -149,7 +151,7 @@ def test_pieces_policy_decides_every_op_as_eager_sac_with_inductor():
     traced = _Recorder()
     model = torch.compile(traced.wrap(copy.deepcopy(block)), backend="inductor")
     got = _train(model, x, steps=2)
-    assert runtime.dispatcher_of(model).plan.decision("").action is Action.PIECES
+    assert dispatchers.dispatcher_of(model).plan.decision("").action is Action.PIECES
     torch.testing.assert_close(got["outs"][0], ref["outs"][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(got["grads"], ref["grads"], strict=True):
         torch.testing.assert_close(a / 2, b, rtol=1e-5, atol=1e-6)  # two steps accumulated
@@ -175,7 +177,7 @@ def test_fullgraph_splits_only_at_the_boundary():
         got = _train(compiled, x)
         _assert_same(got, ref)
         assert _gemms_outside_graphs(compiled, x) == 0, ac
-        plan = runtime.dispatcher_of(compiled).plan
+        plan = dispatchers.dispatcher_of(compiled).plan
         assert plan.woven and any(d.splits for d in plan.decisions), ac
 
 
@@ -213,7 +215,7 @@ def _checkpointed_graphs(fn, *args) -> list[bool]:
     """Compile ``fn`` through ``CheckpointPieces``: for each piece, did it reach the backend wrapped?"""
     from torch.utils.checkpoint import checkpoint
 
-    from autoweave.pieces import CheckpointPieces
+    from autoweave.weave.pieces import CheckpointPieces
 
     wrapped = []
 
@@ -340,10 +342,10 @@ def test_pieces_train_through_an_in_place_change_after_a_boundary(how):
     _assert_same(got, ref)
     assert got["fallbacks"] == [0, 0, 0]
     # The plan log and the report say which piece runs without its checkpoint, and why.
-    (entry,) = plan_log.entries()
-    notes = [n for record in plan_log.decision_records(entry) for n in record["notes"]]
+    (entry,) = summary.entries()
+    notes = [n for record in summary.decision_records(entry) for n in record["notes"]]
     assert any("compiled without its checkpoint" in n and "in place" in n for n in notes), notes
-    assert "note: piece 2 compiled without its checkpoint" in plan_log.format_summary([entry])
+    assert "note: piece 2 compiled without its checkpoint" in summary.format_summary([entry])
 
 
 def _refuses_addmm(ctx, op, *args, **kwargs):
@@ -373,4 +375,4 @@ def test_a_policy_that_raises_raises_as_in_plain_torch(capfd):
         assert type(raised.value) is ValueError
     # Not reported as autoweave's: no [piece-eager], no [weave-failed], no warning at all.
     assert "autoweave[" not in capfd.readouterr().err
-    assert runtime.dispatcher_of(woven).plan.decision("").action is Action.PIECES
+    assert dispatchers.dispatcher_of(woven).plan.decision("").action is Action.PIECES

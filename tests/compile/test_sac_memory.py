@@ -2,7 +2,7 @@
 
 ``pieces`` keeps the tensors that cross a break for backward; under a policy that saves little that
 is several times eager SAC's activation memory. The default measures it at a block's first call
-(``autoweave.memory``) and plans the block with ``hoist`` when pieces hold more than eager SAC.
+(``autoweave.planning.memory``) and plans the block with ``hoist`` when pieces hold more than eager SAC.
 
 Memory is the C heap in use after the forward minus before it (``benchmarks.measure.heap_in_use``):
 every CPU tensor the forward leaves behind, whoever holds it (autograd's saved tensors, a
@@ -22,8 +22,9 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import capture, plan_log, runtime
-from autoweave.planner import Action
+from autoweave.dispatch import dispatchers
+from autoweave.observe import counting, summary
+from autoweave.planning.planner import Action
 from benchmarks.measure import backward_gemms, forward_gemms_outside_graphs, heap_in_use
 from tests import break_models as bm
 
@@ -80,7 +81,7 @@ EXTRA_GEMMS = {("GlueGemmBlock", "save-nothing"): LAYERS}
 def test_the_default_holds_at_most_eager_sac_memory_and_recomputes_no_more(block_type, policy):
     eager = _run(_model(block_type, policy))
     torch._dynamo.reset()
-    cap = capture.Capture()
+    cap = counting.Capture()
     model = _compiled(_model(block_type, policy), cap.backend("aot_eager"))
     got = _run(model)
     assert got["held"] <= 1.05 * eager["held"], (got["held"], eager["held"])
@@ -90,17 +91,17 @@ def test_the_default_holds_at_most_eager_sac_memory_and_recomputes_no_more(block
     # Whatever was decided, the glue stays compiled: only the head's GEMM runs eager.
     assert forward_gemms_outside_graphs(model, torch.randn(TOKENS, DIM)) == 1
     # The plan says which strategy and why (the measure, in the plan log and the report).
-    plan = runtime.dispatcher_of(model.layers[0]).plan
+    plan = dispatchers.dispatcher_of(model.layers[0]).plan
     root = plan.decision("")
     if root.action is Action.HOIST:
         assert "measured: pieces hold" in root.reason and "eager selective AC" in root.reason
         assert got["gemms"] == eager["gemms"] + extra
     else:
         assert root.action is Action.PIECES
-        notes = [n for e in plan_log.entries() for r in plan_log.decision_records(e) for n in r["notes"]]
+        notes = [n for e in summary.entries() for r in summary.decision_records(e) for n in r["notes"]]
         assert any(n.startswith("measured: pieces hold") for n in notes), notes
     # Measured once: no recompile after the step that re-planned, and nothing measures any more.
-    from autoweave import memory
+    from autoweave.planning import memory
 
     graphs = cap.graph_count
     _run(model)
@@ -112,18 +113,18 @@ def test_a_policy_that_saves_the_matmuls_keeps_pieces():
     torch._dynamo.reset()
     model = _compiled(_model(bm.GlueGemmBlock, "save-matmuls"), "aot_eager")
     _run(model)
-    assert runtime.dispatcher_of(model.layers[0]).plan.decision("").action is Action.PIECES
+    assert dispatchers.dispatcher_of(model.layers[0]).plan.decision("").action is Action.PIECES
 
 
 def test_a_strategy_the_user_chose_is_kept_and_not_measured():
-    from autoweave import memory
+    from autoweave.planning import memory
 
     model = _model(bm.GlueGemmBlock, "save-nothing")
     for layer in model.layers:
         autoweave.set_mode(layer, strategy="pieces")
     model = _compiled(model, "aot_eager")
     _run(model)
-    assert runtime.dispatcher_of(model.layers[0]).plan.decision("").action is Action.PIECES
+    assert dispatchers.dispatcher_of(model.layers[0]).plan.decision("").action is Action.PIECES
     assert not memory.known(model)
 
 
@@ -141,6 +142,6 @@ def test_the_users_saved_tensor_hooks_are_never_shadowed():
     loss.backward()
     assert packed  # every save went through the user's hooks, none through a measure of ours
     # Not measured: the pieces stay, and the plan log says why.
-    assert runtime.dispatcher_of(model.layers[0]).plan.decision("").action is Action.PIECES
-    notes = [n for e in plan_log.entries() for r in plan_log.decision_records(e) for n in r["notes"]]
+    assert dispatchers.dispatcher_of(model.layers[0]).plan.decision("").action is Action.PIECES
+    notes = [n for e in summary.entries() for r in summary.decision_records(e) for n in r["notes"]]
     assert any(n.startswith("not measured: saved-tensor hooks") for n in notes), notes

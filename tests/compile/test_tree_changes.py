@@ -19,7 +19,9 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import _state, capture, runtime
+from autoweave import _state
+from autoweave.dispatch import dispatchers
+from autoweave.observe import counting
 from tests.models import Block, RecompileLimitHits, recompiles
 
 pytestmark = pytest.mark.usefixtures("weave_on")
@@ -52,7 +54,7 @@ def _compile_and_run(on: bool, calls: int = 20) -> tuple[int, list[str], list[st
     """(graphs compiled, recompiles, recompile-limit hits) over ``calls`` forwards of a sliced model."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    cap = capture.Capture()
+    cap = counting.Capture()
     with contextlib.nullcontext() if on else autoweave.disabled():
         model = torch.compile(Sliced([Layer() for _ in range(4)]), backend=cap.backend("eager"))
     x = torch.randn(2, 8)
@@ -81,8 +83,8 @@ def test_registering_into_a_fresh_container_while_tracing_leaves_the_signal_alon
 
 def _count_walks(monkeypatch: pytest.MonkeyPatch) -> list[nn.Module]:
     walks: list[nn.Module] = []
-    real = runtime._fingerprint
-    monkeypatch.setattr(runtime, "_fingerprint", lambda target: walks.append(target) or real(target))
+    real = dispatchers._fingerprint
+    monkeypatch.setattr(dispatchers, "_fingerprint", lambda target: walks.append(target) or real(target))
     return walks
 
 
@@ -106,7 +108,7 @@ def test_a_forward_that_slices_reads_no_module_tree(monkeypatch: pytest.MonkeyPa
     for _ in range(2):
         _step(model, x)
     if layout == "woven-model":
-        assert runtime.dispatcher_of(model).plan.woven
+        assert dispatchers.dispatcher_of(model).plan.woven
     warm, generation = len(walks), _state.run.generation
     assert warm >= 1
     for _ in range(10):
@@ -121,7 +123,7 @@ def test_a_real_change_between_forwards_still_replans(monkeypatch: pytest.Monkey
     model = torch.compile(cw.checkpoint_wrapper(block), backend="aot_eager")
     x = torch.randn(4, 8)
     _step(model, x)
-    dispatcher = runtime.dispatcher_of(model)
+    dispatcher = dispatchers.dispatcher_of(model)
     assert not dispatcher.plan.woven
     # Built outside the tree, then registered into it: the signal moves once.
     moe = Block().ffn

@@ -10,7 +10,8 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import capture, runtime
+from autoweave.dispatch import dispatchers
+from autoweave.observe import counting
 from tests.models import Block, RecompileLimitHits, make_break
 
 
@@ -24,7 +25,9 @@ def weave_on():
     torch._dynamo.reset()
 
 
-def _train(model: nn.Module, x: torch.Tensor, steps: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _train(
+    model: nn.Module, x: torch.Tensor, steps: int = 2
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     outs, grads = [], []
     for _ in range(steps):
         out = model(x)
@@ -45,7 +48,7 @@ def test_compile_of_ac_block_with_boundary_is_woven_not_eager():
     torch.manual_seed(0)
     block, x = Block(), torch.randn(4, 8)
     ref = _reference(block, x)
-    cap, fallbacks = capture.Capture(), capture.FallbackCounter()
+    cap, fallbacks = counting.Capture(), counting.FallbackCounter()
     model = torch.compile(cw.checkpoint_wrapper(block), backend=cap.backend())
     assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
     assert model._orig_mod._checkpoint_wrapped_module is block
@@ -55,19 +58,19 @@ def test_compile_of_ac_block_with_boundary_is_woven_not_eager():
     assert cap.graph_count >= 2 and cap.ops > 0
     for a, b in zip(got[0] + got[1], ref[0] + ref[1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    plan = runtime.dispatcher_of(model).plan
+    plan = dispatchers.dispatcher_of(model).plan
     assert plan.woven and plan.decision("_checkpoint_wrapped_module.ffn.experts").action.value == "boundary"
 
 
 def test_without_autoweave_the_same_block_falls_back():
     torch.manual_seed(0)
-    cap, fallbacks = capture.Capture(), capture.FallbackCounter()
+    cap, fallbacks = counting.Capture(), counting.FallbackCounter()
     with autoweave.disabled():
         model = torch.compile(cw.checkpoint_wrapper(Block()), backend=cap.backend())
     with fallbacks:
         _train(model, torch.randn(4, 8))
     assert fallbacks.count >= 1
-    assert runtime.dispatcher_of(model) is None
+    assert dispatchers.dispatcher_of(model) is None
 
 
 def test_inplace_fullgraph_splits_only_at_the_boundary_instead_of_raising():
@@ -79,7 +82,7 @@ def test_inplace_fullgraph_splits_only_at_the_boundary_instead_of_raising():
     model.compile(backend="aot_eager", fullgraph=True)
     got = _train(model, x)
     torch.testing.assert_close(got[1][-1], ref[1][-1], rtol=1e-5, atol=1e-6)
-    plan = runtime.dispatcher_of(model).plan
+    plan = dispatchers.dispatcher_of(model).plan
     assert plan.decision("").action.value == "hoist"
     inner = plan.decision("_checkpoint_wrapped_module")
     assert inner.action.value == "split" and inner.splits
@@ -93,14 +96,14 @@ def test_inplace_fullgraph_with_siblings_compiles_each_region_instead_of_raising
     block, x = Block(), torch.randn(4, 8)
     ref = _reference(block, x)
     model = autoweave.set_mode(cw.checkpoint_wrapper(block), strategy="siblings")
-    cap = capture.Capture()
+    cap = counting.Capture()
     model.compile(backend=cap.backend(), fullgraph=True)
     got = _train(model, x)
     torch.testing.assert_close(got[1][-1], ref[1][-1], rtol=1e-5, atol=1e-6)
-    plan = runtime.dispatcher_of(model).plan
+    plan = dispatchers.dispatcher_of(model).plan
     assert all(not d.region or d.action.value != "split" for d in plan.decisions)
     # fullgraph: one graph per kind of region (the three same-shaped Linears share one), no breaks
-    labels = runtime.dispatcher_of(model)._applied.regions
+    labels = dispatchers.dispatcher_of(model)._applied.regions
     assert set(labels) == {d.path for d in plan.regions()}
     assert cap.graph_count == len(set(labels.values())) == 3
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
@@ -116,10 +119,10 @@ def test_plain_fullgraph_really_raises_here():
 
 def test_module_without_boundary_compiles_exactly_as_plain_torch():
     torch.manual_seed(0)
-    cap = capture.Capture()
+    cap = counting.Capture()
     model = torch.compile(cw.checkpoint_wrapper(Block(moe=False)), backend=cap.backend())
     model(torch.randn(4, 8)).sum().backward()
-    plan = runtime.dispatcher_of(model).plan
+    plan = dispatchers.dispatcher_of(model).plan
     assert not plan.woven and plan.decisions[0].action.value == "plain"
     assert cap.graph_count == 1  # one graph holding the checkpoint, as plain torch.compile gives
 
@@ -128,22 +131,22 @@ def test_function_compile_is_untouched():
     def f(x):
         return torch.sin(x) + 1
 
-    cap = capture.Capture()
+    cap = counting.Capture()
     compiled = torch.compile(f, backend=cap.backend("eager"))
     x = torch.randn(3)
     torch.testing.assert_close(compiled(x), f(x))
     # dynamo's own wrapper directly around f, with nothing of autoweave's on it, and dynamo
     # compiled it: one graph, nothing run eager.
     assert compiled._torchdynamo_orig_callable is f
-    assert runtime.dispatcher_of(compiled) is None and not hasattr(compiled, "__autoweave_prior__")
+    assert dispatchers.dispatcher_of(compiled) is None and not hasattr(compiled, "__autoweave_prior__")
     assert cap.graph_count == 1
 
 
 def test_mode_off_and_per_module_override():
     model = torch.compile(autoweave.set_mode(cw.checkpoint_wrapper(Block()), "off"), backend="aot_eager")
-    with capture.FallbackCounter() as fallbacks:
+    with counting.FallbackCounter() as fallbacks:
         model(torch.randn(4, 8)).sum().backward()
-    assert not runtime.dispatcher_of(model).plan.woven
+    assert not dispatchers.dispatcher_of(model).plan.woven
     assert fallbacks.count >= 1
 
 
@@ -176,12 +179,12 @@ def test_replans_when_a_boundary_appears_after_the_first_forward():
     block.ffn = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     model = torch.compile(cw.checkpoint_wrapper(block), backend="aot_eager")
     model(torch.randn(4, 8))
-    assert not runtime.dispatcher_of(model).plan.woven
+    assert not dispatchers.dispatcher_of(model).plan.woven
     make_break(block.ffn[0])
     autoweave.boundary(block.ffn[0])  # the fingerprint sees the mark
-    with capture.FallbackCounter() as fallbacks:
+    with counting.FallbackCounter() as fallbacks:
         model(torch.randn(4, 8)).sum().backward()
-    assert runtime.dispatcher_of(model).plan.woven
+    assert dispatchers.dispatcher_of(model).plan.woven
     assert fallbacks.count == 0
 
 
@@ -199,7 +202,7 @@ def test_32_same_class_leaf_regions_with_different_shapes_never_hit_recompile_li
         def forward(self, xs):
             return [layer(x) for layer, x in zip(self.layers, xs, strict=True)], self.experts(xs[4])
 
-    cap = capture.Capture()
+    cap = counting.Capture()
     stack = autoweave.set_mode(Stack(), strategy="siblings")  # a region per leaf, fullgraph each
     stack.compile(backend=cap.backend(), fullgraph=True)
     xs = [torch.randn(2, d) for d in dims]
@@ -223,7 +226,8 @@ def test_recompile_limit_listener_hears_plain_torch_hit():
 
 
 def test_failure_inside_planning_falls_back_with_one_warning(monkeypatch, capsys):
-    from autoweave import _state, planner
+    from autoweave import _state
+    from autoweave.planning import planner
 
     monkeypatch.setattr(_state.run, "warned", False)
 
@@ -240,9 +244,10 @@ def test_failure_inside_planning_falls_back_with_one_warning(monkeypatch, capsys
 
 
 def test_strict_mode_raises(monkeypatch):
-    from autoweave import _settings, planner
+    from autoweave import _settings
     from autoweave._failopen import AutoweaveError
     from autoweave._settings import Settings
+    from autoweave.planning import planner
 
     monkeypatch.setattr(_settings, "_current", Settings(enabled=True, strict=True))
     monkeypatch.setattr(planner, "plan", lambda *a, **k: 1 / 0)
@@ -257,7 +262,7 @@ def test_checkpoints_cross_load_with_torch_save_and_dcp(tmp_path):
     torch.manual_seed(0)
     woven = torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
     woven(torch.randn(4, 8)).sum().backward()  # woven at the first forward
-    assert runtime.dispatcher_of(woven).plan.woven
+    assert dispatchers.dispatcher_of(woven).plan.woven
     with autoweave.disabled():
         plain = torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
     # torch.save: woven -> plain
@@ -325,7 +330,7 @@ def test_32_layer_mixed_dense_and_moe_stack_no_fallback_no_recompile_limit(compi
     import copy
 
     ref_stack = copy.deepcopy(ref_stack)
-    cap = capture.Capture()
+    cap = counting.Capture()
     backend = cap.backend()
     layers = []
     for b in blocks:
@@ -337,7 +342,7 @@ def test_32_layer_mixed_dense_and_moe_stack_no_fallback_no_recompile_limit(compi
         layers.append(wrapped)
     stack = nn.Sequential(*layers)
     x = torch.randn(4, 8)
-    listeners = capture.FallbackCounter(), RecompileLimitHits()
+    listeners = counting.FallbackCounter(), RecompileLimitHits()
     with listeners[0] as fallbacks, listeners[1] as hits, caplog.at_level(logging.WARNING):
         for _ in range(2):
             out = stack(x)
@@ -377,9 +382,9 @@ def test_selective_ac_outside_the_compile_is_moved_inside():
     ref = _train(eager, x)
     compiled = torch.compile(block, backend="aot_eager")
     model = cw.checkpoint_wrapper(compiled, **_sac_kwargs())
-    with capture.FallbackCounter() as fallbacks:
+    with counting.FallbackCounter() as fallbacks:
         got = _train(model, x)
-    plan = runtime.dispatcher_of(compiled).plan
+    plan = dispatchers.dispatcher_of(compiled).plan
     assert plan.woven and plan.outer_push_down is not None and plan.outer_push_down.selective
     assert plan.regions() and all(d.checkpoint is not None for d in plan.regions())
     assert "forward" in model.__dict__  # the wrapper no longer checkpoints itself
@@ -389,4 +394,4 @@ def test_selective_ac_outside_the_compile_is_moved_inside():
     # Full AC outside the compile stays exactly plain torch.
     full = torch.compile(Block(), backend="aot_eager")
     cw.checkpoint_wrapper(full)(x)
-    assert not runtime.dispatcher_of(full).plan.woven
+    assert not dispatchers.dispatcher_of(full).plan.woven

@@ -46,7 +46,17 @@ def selective(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.fixture(scope="module")
 def selective_inductor(tmp_path_factory: pytest.TempPathFactory) -> dict:
     variants = ["eager", "compile_ac:on", "compile_ac:on:pieces", "hand_siblings:off", "ac_compile:on"]
-    return _run(tmp_path_factory.mktemp("strat_ind"), "selective", variants, "--backend", "inductor", "--layers", "2", "--steps", "2")
+    return _run(
+        tmp_path_factory.mktemp("strat_ind"),
+        "selective",
+        variants,
+        "--backend",
+        "inductor",
+        "--layers",
+        "2",
+        "--steps",
+        "2",
+    )
 
 
 @pytest.mark.slow

@@ -18,7 +18,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "benchmarks" / "moe_variants.py"
 
-WOVEN_ORDERS = ("compile_ac", "inplace_fullgraph", "fsdp_then_compile", "no_block_fsdp", "ckpt_in_forward", "compile_twice", "whole_model")
+WOVEN_ORDERS = (
+    "compile_ac",
+    "inplace_fullgraph",
+    "fsdp_then_compile",
+    "no_block_fsdp",
+    "ckpt_in_forward",
+    "compile_twice",
+    "whole_model",
+)
 BREAK_ORDERS = ("break_compile_ac", "break_ac_compile")  # a graph break that is no FSDP unit
 COPING_ORDERS = ("ac_compile",)  # plain torch already copes: autoweave must not capture less
 HAND = ("hand_siblings", "hand_ac_compile", "upper_bound")
@@ -29,8 +37,21 @@ def _run(tmp: Path, ac: str, variants: list[str], *extra: str) -> dict[tuple[str
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOWEAVE")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        str(WORKER), "--ac", ac, "--steps", "3", "--variants", ",".join(variants), "--out", str(out), *extra,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(WORKER),
+        "--ac",
+        ac,
+        "--steps",
+        "3",
+        "--variants",
+        ",".join(variants),
+        "--out",
+        str(out),
+        *extra,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -108,7 +129,11 @@ def test_state_dict_keys_identical_on_and_off(full: dict, order: str) -> None:
 
 @pytest.mark.slow
 def test_a_break_that_is_no_boundary_is_compiled_around_after_the_first_call(full: dict) -> None:
-    on, off, outer = full[("break_compile_ac", True)], full[("break_compile_ac", False)], full[("break_ac_compile", False)]
+    on, off, outer = (
+        full[("break_compile_ac", True)],
+        full[("break_compile_ac", False)],
+        full[("break_ac_compile", False)],
+    )
     _assert_matches_eager(on, full[("eager", True)])
     assert off["fallbacks"] > 0 and off["eager_gemms"] > on["eager_gemms"]
     # One fallback, at the first MoE block's first call: every block running the same code is

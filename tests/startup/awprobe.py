@@ -46,7 +46,7 @@ def state():
             cw_layers=layers(cw.checkpoint_wrapper),
             cw_default_layers=[layers(d) for d in cw.apply_activation_checkpointing.__defaults__ or ()],
         )
-    patches = sys.modules.get("autoweave.patches")
+    patches = sys.modules.get("autoweave.dispatch.patches")
     out["applied"] = patches.applied() if patches is not None else None
     return out
 

@@ -7,7 +7,9 @@ import venvs
 
 def test_doctor_fails_in_a_venv_without_the_start_up_file(bare_venv: venvs.Venv) -> None:
     # The package is importable (the checkout on PYTHONPATH) but no autoweave.pth is installed.
-    proc = bare_venv.run(["-m", "autoweave", "doctor"], env=venvs.child_env({"PYTHONPATH": str(venvs.REPO_ROOT)}))
+    proc = bare_venv.run(
+        ["-m", "autoweave", "doctor"], env=venvs.child_env({"PYTHONPATH": str(venvs.REPO_ROOT)})
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "no start-up file (autoweave.pth)" in proc.stdout
     assert "is NOT patched" in proc.stdout

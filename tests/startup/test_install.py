@@ -41,7 +41,12 @@ def run_probe(
 
 
 def run_script(
-    venv: venvs.Venv, probe_dir: Path, name: str, source: str, *args: str, env: dict[str, str | None] | None = None,
+    venv: venvs.Venv,
+    probe_dir: Path,
+    name: str,
+    source: str,
+    *args: str,
+    env: dict[str, str | None] | None = None,
     timeout: float = 180,
 ) -> subprocess.CompletedProcess:
     script = probe_dir / name
@@ -137,7 +142,9 @@ IS_ENABLED = "import autoweave; a = autoweave.is_enabled(); import torch; print(
 
 
 @pytest.mark.parametrize("value, expected", [("1", "True True"), (None, "False False")])
-def test_is_enabled_before_and_after_torch(installed_venv: venvs.Venv, value: str | None, expected: str) -> None:
+def test_is_enabled_before_and_after_torch(
+    installed_venv: venvs.Venv, value: str | None, expected: str
+) -> None:
     # With AUTOWEAVE=1 the start-up file registers its hook itself: is_enabled() must know.
     env = venvs.child_env({} if value is None else {"AUTOWEAVE": value})
     proc = installed_venv.run(["-c", IS_ENABLED], env=env)
@@ -267,7 +274,9 @@ def test_torchrun_both_ranks(installed_venv: venvs.Venv, probe_dir: Path) -> Non
     assert not INTERNAL_ERROR.search(proc.stderr)
 
 
-def test_torchrun_launcher_says_nothing_and_ranks_say_it_once(installed_venv: venvs.Venv, probe_dir: Path) -> None:
+def test_torchrun_launcher_says_nothing_and_ranks_say_it_once(
+    installed_venv: venvs.Venv, probe_dir: Path
+) -> None:
     # torchrun's launcher inherits AUTOWEAVE and imports torch but never compiles: it stays
     # out; a problem with the settings (the same on every rank) is told once, by rank 0.
     script = probe_dir / "quiet.py"
@@ -294,7 +303,9 @@ def test_the_wheel_is_torch_autoweave_and_holds_only_autoweave(wheel: Path) -> N
         (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         text = archive.read(metadata).decode()
     assert "\nName: torch-autoweave\n" in text
-    tops = {name.split("/", 1)[0] for name in names if not name.endswith(".dist-info/" + name.rsplit("/", 1)[-1])}
+    tops = {
+        name.split("/", 1)[0] for name in names if not name.endswith(".dist-info/" + name.rsplit("/", 1)[-1])
+    }
     assert tops == {"autoweave", *STARTUP_FILES}, tops
 
 
@@ -324,7 +335,11 @@ def test_invalid_autoweave_value(installed_venv: venvs.Venv, probe_dir: Path) ->
 
 def test_disabled_patches_compile(installed_venv: venvs.Venv, probe_dir: Path) -> None:
     state, proc = run_probe(
-        installed_venv, probe_dir, "torch", "cw", env={"AUTOWEAVE": "1", "AUTOWEAVE_DISABLED_PATCHES": "compile"}
+        installed_venv,
+        probe_dir,
+        "torch",
+        "cw",
+        env={"AUTOWEAVE": "1", "AUTOWEAVE_DISABLED_PATCHES": "compile"},
     )
     assert state["applied"] == ["checkpoint_wrapper", "module_compile"]
     assert state["compile_is_function"] and state["compile_layers"] == 0
@@ -399,7 +414,7 @@ def test_wrapper_is_transparent(installed_venv: venvs.Venv, probe_dir: Path) -> 
         from torch import compile as imported_compile
 
         import awprobe
-        from autoweave import patches
+        from autoweave.dispatch import patches
 
         out = {"state": awprobe.state()}
         pairs = {
@@ -502,7 +517,7 @@ import os
 
 # Test-only: break autoweave's patching before torch is imported (no change to autoweave/).
 if os.environ.get("AW_TEST_BREAK"):
-    import autoweave.patches as _patches
+    import autoweave.dispatch.patches as _patches
 
     def _boom(*args, **kwargs):
         raise RuntimeError("injected failure in " + os.environ["AW_TEST_BREAK"])
@@ -556,7 +571,12 @@ def test_failure_in_patching_raises_when_strict(
     proc = installed_venv.run(
         ["-c", "import torch"],
         env=venvs.child_env(
-            {"AUTOWEAVE": "1", "AUTOWEAVE_STRICT": "1", "AW_TEST_BREAK": "apply_torch", "PYTHONPATH": str(breaker_dir)}
+            {
+                "AUTOWEAVE": "1",
+                "AUTOWEAVE_STRICT": "1",
+                "AW_TEST_BREAK": "apply_torch",
+                "PYTHONPATH": str(breaker_dir),
+            }
         ),
     )
     assert proc.returncode != 0
@@ -581,7 +601,9 @@ def test_checkout_sitecustomize_chains_to_the_shadowed_one(
             "import autoweave; s = awprobe.state(); s['autoweave_file'] = autoweave.__file__; "
             "s['sitecustomize_file'] = sys.modules['sitecustomize'].__file__; awprobe.emit(s)",
         ],
-        env=venvs.child_env({"AUTOWEAVE": "1", "PYTHONPATH": os.pathsep.join([str(shell), str(user), str(probe_dir)])}),
+        env=venvs.child_env(
+            {"AUTOWEAVE": "1", "PYTHONPATH": os.pathsep.join([str(shell), str(user), str(probe_dir)])}
+        ),
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("USER-SITECUSTOMIZE-RAN") == 1, proc.stdout
@@ -616,6 +638,10 @@ def test_autoweave_run_usage(installed_venv: venvs.Venv) -> None:
     proc = subprocess.run([runner], capture_output=True, text=True, env=venvs.child_env(), timeout=60)
     assert proc.returncode == 2 and "usage" in proc.stdout
     proc = subprocess.run(
-        [runner, "no-such-program-autoweave"], capture_output=True, text=True, env=venvs.child_env(), timeout=60
+        [runner, "no-such-program-autoweave"],
+        capture_output=True,
+        text=True,
+        env=venvs.child_env(),
+        timeout=60,
     )
     assert proc.returncode == 127 and "cannot run" in proc.stderr

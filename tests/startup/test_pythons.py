@@ -51,7 +51,7 @@ def _run(python: Path, code: str, tmp: Path, **env: str) -> subprocess.Completed
 _COMPILE_ALL = """
 import pathlib, py_compile, sys
 root, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-files = [*sorted((root / "autoweave").glob("*.py")), root / "_autoweave_start.py", root / "sitecustomize" / "sitecustomize.py"]
+files = [*sorted((root / "autoweave").rglob("*.py")), root / "_autoweave_start.py", root / "sitecustomize" / "sitecustomize.py"]
 for f in files:
     py_compile.compile(str(f), cfile=str(out / (f.name + "c")), doraise=True)
 print("COMPILED", len(files))
@@ -62,7 +62,7 @@ import site, sys
 site.addsitedir(sys.argv[1])  # processes autoweave.pth as Python's start-up would
 import _autoweave_start
 from autoweave._settings import Settings
-from autoweave import _bootstrap, _settings
+from autoweave import _settings, startup
 import autoweave
 settings = Settings.from_environ({"AUTOWEAVE": "1", "AUTOWEAVE_MODE": "always", "AUTOWEAVE_REPORT": "r{rank}.json"})
 assert settings.enabled and settings.mode == "always" and not settings.problems, settings
@@ -75,7 +75,7 @@ _UNUSUAL = """
 import site, sys
 site.addsitedir(sys.argv[1])
 import _autoweave_start
-from autoweave import _bootstrap, _settings
+from autoweave import _settings, startup
 assert not _settings.current().enabled and not _autoweave_start.registered("torch")
 print("OFF")
 """

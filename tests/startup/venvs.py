@@ -30,7 +30,14 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Files a wheel build needs; used only when the checkout cannot be built as it is.
-_SOURCE_ITEMS = ("autoweave", "autoweave.pth", "autoweave.start", "_autoweave_start.py", "pyproject.toml", "sitecustomize")
+_SOURCE_ITEMS = (
+    "autoweave",
+    "autoweave.pth",
+    "autoweave.start",
+    "_autoweave_start.py",
+    "pyproject.toml",
+    "sitecustomize",
+)
 
 AUTOWEAVE_VARIABLES_PREFIX = "AUTOWEAVE"
 
@@ -68,7 +75,9 @@ class Venv:
         )
 
 
-def child_env(overrides: dict[str, str | None] | None = None, *, keep_bytecode_flag: bool = True) -> dict[str, str]:
+def child_env(
+    overrides: dict[str, str | None] | None = None, *, keep_bytecode_flag: bool = True
+) -> dict[str, str]:
     """``os.environ`` without anything that would change what a child's start-up does.
 
     Drops every ``AUTOWEAVE*`` variable, ``PYTHONPATH``, ``PYTHONSTARTUP``, ``PYTHONHOME``,

@@ -20,43 +20,62 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS: tuple[tuple[str, ...], ...] = (
     # Start-up, standard library only: the post-import hooks (hooks named by string).
     ("_autoweave_start", "autoweave._importhook"),
-    # Foundations, standard library only: settings, run-time state, logging, fail-open, torch names.
+    # Foundations, at the package root, standard library only (``_compat`` imports torch lazily):
+    # settings, run-time state, what autoweave attaches to instances, torch names, logging, fail-open.
     (
         "autoweave._version",
         "autoweave._settings",
         "autoweave._state",
-        "autoweave._codegen",
         "autoweave._instances",
         "autoweave._compat",
         "autoweave._log",
-        "autoweave._torchlogs",
         "autoweave._failopen",
     ),
-    # Reading torch: tree changes, source places, dynamo's signals, checkpoints in code, boundaries,
-    # what pieces hold for backward.
+    # plan/: the decision. Reading the tree and the user's code (changes, source places,
+    # checkpoints in code, boundaries, learned breaks, what pieces hold), then the planner.
     (
-        "autoweave._changes",
-        "autoweave._where",
-        "autoweave.capture",
-        "autoweave.checkpoints",
-        "autoweave.boundaries",
-        "autoweave.breaks",
-        "autoweave.memory",
+        "autoweave.planning",
+        "autoweave.planning.tree_changes",
+        "autoweave.planning.sources",
+        "autoweave.planning.checkpoint_calls",
+        "autoweave.planning.boundaries",
+        "autoweave.planning.learned_breaks",
+        "autoweave.planning.memory",
+        "autoweave.planning.planner",
     ),
-    # The decision, pure: a module tree in, a plan out.
-    ("autoweave.planner",),
-    # The side effects: installing a plan's compiled regions.
-    ("autoweave.pieces", "autoweave.weave", "autoweave.decorated_checkpoints"),
-    # Reporting, fed by callbacks: the plan summary, the structured trace, the run report.
-    ("autoweave.plan_log", "autoweave._trace", "autoweave.report"),
-    # Routing: the dispatcher, and the wrappers on torch that route calls to it.
-    ("autoweave.runtime", "autoweave.patches"),
-    # Wiring and entry points.
+    # weave/: the side effects, the only code that changes modules.
     (
-        "autoweave._bootstrap",
-        "autoweave.explainer",
-        "autoweave.doctor",
-        "autoweave._run",
+        "autoweave.weave",
+        "autoweave.weave.code_copy",
+        "autoweave.weave.pieces",
+        "autoweave.weave.decorated_checkpoints",
+        "autoweave.weave.apply",
+    ),
+    # observe/: what dynamo says (counting, graph-break places, TORCH_LOGS) and what autoweave
+    # reports (the plan summary, the structured trace, the run report).
+    (
+        "autoweave.observe",
+        "autoweave.observe.counting",
+        "autoweave.observe.graph_breaks",
+        "autoweave.observe.torch_logs",
+        "autoweave.observe.summary",
+        "autoweave.observe.trace",
+        "autoweave.observe.report",
+    ),
+    # dispatch/: the hot path. Dispatchers behind compiled modules, the routes, the patches on torch.
+    (
+        "autoweave.dispatch",
+        "autoweave.dispatch.dispatchers",
+        "autoweave.dispatch.routes",
+        "autoweave.dispatch.patches",
+    ),
+    # Wiring and entry points: start-up, the command-line tools, the public API.
+    (
+        "autoweave.startup",
+        "autoweave.cli",
+        "autoweave.cli.explainer",
+        "autoweave.cli.doctor",
+        "autoweave.cli.run",
         "autoweave",
         "autoweave.__main__",
     ),
@@ -66,8 +85,9 @@ ORDER = [name for layer in LAYERS for name in layer]
 
 def _modules() -> dict[str, Path]:
     found = {"_autoweave_start": ROOT / "_autoweave_start.py"}
-    for path in sorted((ROOT / "autoweave").glob("*.py")):
-        found["autoweave" if path.stem == "__init__" else f"autoweave.{path.stem}"] = path
+    for path in sorted((ROOT / "autoweave").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
@@ -92,14 +112,34 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
             continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name in known)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "autoweave":
-                for alias in node.names:
-                    sub = f"autoweave.{alias.name}"
-                    found.add(sub if sub in known else "autoweave")
-            elif node.module in known:
-                found.add(node.module)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module in known:
+            # ``from autoweave.planning import planner`` imports autoweave.planning.planner (and the
+            # package's empty __init__, which sits first in its layer).
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in known else node.module)
     return found
+
+
+def _layer_of(module: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if module in layer)
+
+
+def test_each_folder_is_one_layer() -> None:
+    # The tree shows the architecture: every module of a subpackage sits in that
+    # subpackage's layer, and the layers run root foundations -> plan -> weave ->
+    # observe -> dispatch -> entry points.
+    folders = ("planning", "weave", "observe", "dispatch")
+    layers = []
+    for folder in folders:
+        members = {
+            name for name in ORDER if name.startswith(f"autoweave.{folder}.") or name == f"autoweave.{folder}"
+        }
+        assert {_layer_of(name) for name in members} == {_layer_of(f"autoweave.{folder}")}, folder
+        layers.append(_layer_of(f"autoweave.{folder}"))
+    assert layers == sorted(layers) and _layer_of("autoweave._compat") < layers[0] < layers[-1] < _layer_of(
+        "autoweave.cli"
+    )
 
 
 def test_every_module_has_a_place_in_the_order() -> None:
@@ -118,14 +158,14 @@ def test_imports_run_one_way(module: str) -> None:
 def test_the_checker_sees_lazy_and_from_imports(tmp_path: Path) -> None:
     source = tmp_path / "m.py"
     source.write_text(
-        "from autoweave import planner, _log\n"
-        "def f():\n    from autoweave.runtime import x\n    import _autoweave_start\n"
-        "TYPE_CHECKING = False\nif TYPE_CHECKING:\n    from autoweave import report\n"
+        "from autoweave.planning import planner\nfrom autoweave import _log\n"
+        "def f():\n    from autoweave.dispatch.dispatchers import x\n    import _autoweave_start\n"
+        "TYPE_CHECKING = False\nif TYPE_CHECKING:\n    from autoweave.observe import report\n"
     )
     assert imports_of(source, set(ORDER)) == {
-        "autoweave.planner",
+        "autoweave.planning.planner",
         "autoweave._log",
-        "autoweave.runtime",
+        "autoweave.dispatch.dispatchers",
         "_autoweave_start",
     }
 
@@ -141,11 +181,15 @@ def test_importing_every_module_changes_nothing() -> None:
         "    if name != 'autoweave.__main__':\n"
         "        importlib.import_module(name)\n"
         "import _autoweave_start\n"
-        "from autoweave import patches, plan_log\n"
+        "from autoweave.dispatch import patches\nfrom autoweave.observe import summary as plan_log\n"
         "after = (torch.compile, torch.nn.Module.compile, list(sys.meta_path), atexit._ncallbacks())\n"
         "assert after == before, (before, after)\n"
         "assert not patches.applied() and not _autoweave_start._hooks, _autoweave_start._hooks\n"
         "assert not plan_log._listeners, plan_log._listeners\n"
+        # A subpackage named like a public function would replace it on import (autoweave.plan).
+        "import autoweave, types\n"
+        "shadowed = [n for n in autoweave.__all__ if isinstance(getattr(autoweave, n), types.ModuleType)]\n"
+        "assert not shadowed, shadowed\n"
         "print('clean')\n"
     )
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("AUTOWEAVE")}

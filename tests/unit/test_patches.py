@@ -1,4 +1,4 @@
-"""``autoweave.patches`` and the public on/off switches, in this process.
+"""``autoweave.dispatch.patches`` and the public on/off switches, in this process.
 
 These tests patch the real ``torch``; every one of them leaves torch exactly as it
 found it (the ``clean`` fixture disables autoweave and checks the originals).
@@ -17,8 +17,9 @@ import torch.nn as nn
 import wrapt
 
 import autoweave
-from autoweave import _bootstrap, _importhook, _settings, patches, runtime
+from autoweave import _importhook, _settings, startup
 from autoweave._settings import Settings
+from autoweave.dispatch import dispatchers, patches, routes
 
 ALL_PATCHES = ["checkpoint_wrapper", "compile", "module_compile"]
 
@@ -99,7 +100,7 @@ def test_enable_disable_enable_leaves_one_layer() -> None:
     assert not autoweave.is_enabled()
     autoweave.enable()
     autoweave.enable()
-    _bootstrap.install()
+    startup.install()
     patches.apply_torch(_settings.current())
     patches.apply_checkpoint_wrapper(_settings.current(), cw)
     for name, obj in targets().items():
@@ -123,7 +124,7 @@ def test_disable_restores_identity_and_hooks() -> None:
 
 def test_disabled_patches_setting_is_respected() -> None:
     _settings.reload(Settings(enabled=True, disabled_patches=frozenset({"compile"})))
-    _bootstrap.install()
+    startup.install()
     assert patches.applied() == ["checkpoint_wrapper", "module_compile"]
     assert torch.compile is ORIGINAL_COMPILE
     assert layers(nn.Module.__dict__["compile"]) == 1
@@ -186,21 +187,21 @@ def test_disabled_context_compiles_as_plain_torch() -> None:
 
     plain = patches.original("compile")(nn.Linear(2, 2), backend="eager")
     woven = torch.compile(nn.Linear(2, 2), backend="eager")
-    assert runtime.dispatcher_of(woven) is not None
+    assert dispatchers.dispatcher_of(woven) is not None
     with autoweave.disabled():
         linear = nn.Linear(2, 2)
         compiled = torch.compile(linear, backend="eager")
         in_place = nn.Linear(2, 2)
         in_place.compile(backend="eager")
     assert type(compiled) is type(plain)
-    assert runtime.dispatcher_of(compiled) is None
+    assert dispatchers.dispatcher_of(compiled) is None
     assert sorted(vars(compiled)) == sorted(vars(plain))
-    assert not isinstance(compiled.forward, runtime._Dispatcher)
-    assert runtime.dispatcher_of(in_place) is None
-    assert not isinstance(in_place._compiled_call_impl, runtime._Dispatcher)
+    assert not isinstance(compiled.forward, dispatchers._Dispatcher)
+    assert dispatchers.dispatcher_of(in_place) is None
+    assert not isinstance(in_place._compiled_call_impl, dispatchers._Dispatcher)
     assert torch.allclose(compiled(x), linear(x))
     # Outside the block, routing is back.
-    assert runtime.dispatcher_of(torch.compile(nn.Linear(2, 2), backend="eager")) is not None
+    assert dispatchers.dispatcher_of(torch.compile(nn.Linear(2, 2), backend="eager")) is not None
 
 
 def test_disabled_context_nests_and_resets_on_error() -> None:
@@ -208,13 +209,13 @@ def test_disabled_context_nests_and_resets_on_error() -> None:
     with pytest.raises(RuntimeError), autoweave.disabled():
         with autoweave.disabled():
             pass
-        assert runtime._off.get()
+        assert routes._off.get()
         raise RuntimeError("boom")
-    assert not runtime._off.get()
+    assert not routes._off.get()
 
 
 def test_functions_pass_straight_through() -> None:
-    from autoweave import capture
+    from autoweave.observe import counting
 
     autoweave.enable()
     calls = []
@@ -225,7 +226,7 @@ def test_functions_pass_straight_through() -> None:
 
     # Dynamo's own wrapper straight around fn (no autoweave layer between), compiled by
     # dynamo (one graph each, not run eager), and the body's side effect kept.
-    direct, called = capture.Capture(), capture.Capture()
+    direct, called = counting.Capture(), counting.Capture()
     compiled = torch.compile(fn, backend=direct.backend("eager"))
     assert compiled._torchdynamo_orig_callable is fn
     assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 3.0))
@@ -242,7 +243,7 @@ def test_each_disabled_patch_name_leaves_that_function_alone(name: str) -> None:
     settings = Settings.from_environ({"AUTOWEAVE": "1", "AUTOWEAVE_DISABLED_PATCHES": name})
     assert settings.problems == ()
     _settings.reload(settings)
-    _bootstrap.install()
+    startup.install()
     assert patches.applied() == [n for n in ALL_PATCHES if n != name]
     current = targets()
     originals = {

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autoweave import boundaries, planner
-from autoweave.planner import Action
+from autoweave.planning import boundaries, planner
+from autoweave.planning.planner import Action
 
 
 class Node(nn.Module):

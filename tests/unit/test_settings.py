@@ -169,7 +169,7 @@ def test_every_accepted_mode_and_strategy_is_understood_by_the_planner() -> None
     # value accepted from the environment fails later, at the first compile.
     import torch.nn as nn
 
-    from autoweave import planner
+    from autoweave.planning import planner
 
     for mode in _settings.MODES:
         assert planner.plan(nn.Linear(2, 2), mode=parse(AUTOWEAVE_MODE=mode).mode).mode == mode
@@ -200,7 +200,9 @@ def test_every_accepted_log_level_sets_the_logger(level: str, monkeypatch: pytes
 
 
 @pytest.mark.parametrize(("variable", "field", "accepted", "default"), CHOICES)
-def test_choice_accepted_values(variable: str, field: str, accepted: tuple[str, ...], default: str | None) -> None:
+def test_choice_accepted_values(
+    variable: str, field: str, accepted: tuple[str, ...], default: str | None
+) -> None:
     for value in accepted:
         for spelled in (value, value.upper(), f"  {value}\n"):
             s = parse(**{variable: spelled})
@@ -236,7 +238,13 @@ def test_problems_from_several_variables_are_all_kept() -> None:
     assert s.enabled
     named = sorted(re.match(r"(AUTOWEAVE_[A-Z_]+)", p).group(1) for p in s.problems)
     assert named == sorted(
-        ["AUTOWEAVE_STRICT", "AUTOWEAVE_MODE", "AUTOWEAVE_STRATEGY", "AUTOWEAVE_LOG_LEVEL", "AUTOWEAVE_DISABLED_PATCHES"]
+        [
+            "AUTOWEAVE_STRICT",
+            "AUTOWEAVE_MODE",
+            "AUTOWEAVE_STRATEGY",
+            "AUTOWEAVE_LOG_LEVEL",
+            "AUTOWEAVE_DISABLED_PATCHES",
+        ]
     )
 
 
@@ -282,7 +290,7 @@ def test_start_up_prechecks_agree_with_settings(monkeypatch: pytest.MonkeyPatch)
     # shadowed-sitecustomize chaining and the real start-up never run here).
     import ast
 
-    from autoweave import _bootstrap
+    from autoweave import startup
 
     shell = REPO_ROOT / "sitecustomize" / "sitecustomize.py"
     tree = ast.parse(shell.read_text())
@@ -290,7 +298,7 @@ def test_start_up_prechecks_agree_with_settings(monkeypatch: pytest.MonkeyPatch)
     namespace: dict = {"os": os, "sys": sys, "__file__": str(shell)}
     exec(compile(ast.Module(body=[start], type_ignores=[]), "sitecustomize.py", "exec"), namespace)
     started: list[int] = []
-    monkeypatch.setattr(_bootstrap, "startup", lambda: started.append(1))
+    monkeypatch.setattr(startup, "startup", lambda: started.append(1))
     monkeypatch.setattr(sys, "path", list(sys.path))  # _start may put the checkout first
     for value in (*_settings.FALSE_VALUES, " OFF ", "No", "FALSE"):
         monkeypatch.setenv("AUTOWEAVE", value)

@@ -141,7 +141,12 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
             # ``if self.gradient_checkpointing and ...: return checkpoint(...)`` with the
             # flag off: that branch does not run now, and must not make the plan worse.
             flag = current.value if isinstance(current, _Flag) else None
-            if flag is not None and flag == _JUMPS[op] and isinstance(name, int) and name > instruction.offset:
+            if (
+                flag is not None
+                and flag == _JUMPS[op]
+                and isinstance(name, int)
+                and name > instruction.offset
+            ):
                 dormant_until = name
             current = _MISSING
             continue

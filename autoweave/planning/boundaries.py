@@ -12,12 +12,13 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _changes, _compat
+from autoweave import _compat
 from autoweave._instances import PRIOR as PRIOR  # re-exported: the mark on installed forwards
 from autoweave._instances import users_own
 from autoweave._log import logger
+from autoweave.planning import tree_changes
 
-ENTRY_POINT_GROUP = "autoweave.boundaries"
+ENTRY_POINT_GROUP = "autoweave.planning.boundaries"
 MARK = "_autoweave_boundary"
 
 Predicate = Callable[[nn.Module], "str | bool | None"]
@@ -32,7 +33,7 @@ def boundary(module: nn.Module, reason: str = "marked with autoweave.boundary()"
     # object.__setattr__ keeps the mark out of nn.Module's attribute bookkeeping
     # (and out of state_dict).
     object.__setattr__(module, MARK, reason)
-    _changes.bump()
+    tree_changes.bump()
     return module
 
 
@@ -40,14 +41,14 @@ def register_boundary(predicate: Predicate, *, name: str | None = None) -> Predi
     """Register ``predicate(module) -> reason | True | None`` as a kind of boundary."""
     with _lock:
         _predicates.append((name or getattr(predicate, "__qualname__", repr(predicate)), predicate))
-    _changes.bump()
+    tree_changes.bump()
     return predicate
 
 
 def unregister_boundary(predicate: Predicate) -> None:
     with _lock:
         _predicates[:] = [(n, p) for n, p in _predicates if p is not predicate]
-    _changes.bump()
+    tree_changes.bump()
 
 
 def _load_entry_points() -> None:

@@ -90,7 +90,7 @@ def uninstall() -> None:
         _importhook.unregister_all()
         _hooks_registered = False
         if TORCH in sys.modules:
-            from autoweave import patches
+            from autoweave.dispatch import patches
 
             patches.revert_all()
 
@@ -181,19 +181,19 @@ def _on_torch_import(module: "Any") -> None:
     from autoweave._failopen import guard
 
     with guard("patching torch", fallback="torch runs unpatched"):
-        from autoweave import patches
+        from autoweave.dispatch import patches
 
         patches.apply_torch(_settings.current())
     with guard("starting the report", fallback="no plan summary or report at exit"):
         # The plan summary at exit (when no second step logged it) and, with
         # AUTOWEAVE_REPORT, the report.
-        from autoweave import report
+        from autoweave.observe import report
 
         report.install(_settings.current())
-    with guard("applying TORCH_LOGS to the autoweave logger"):  # autoweave/_torchlogs.py
-        from autoweave import _torchlogs
+    with guard("applying TORCH_LOGS to the autoweave logger"):  # autoweave/observe/torch_logs.py
+        from autoweave.observe import torch_logs
 
-        _torchlogs.register(_settings.current())
+        torch_logs.register(_settings.current())
 
 
 def _on_checkpoint_wrapper_import(module: "Any") -> None:
@@ -202,6 +202,6 @@ def _on_checkpoint_wrapper_import(module: "Any") -> None:
     from autoweave._failopen import guard
 
     with guard("patching checkpoint_wrapper", fallback="checkpoint_wrapper runs unpatched"):
-        from autoweave import patches
+        from autoweave.dispatch import patches
 
         patches.apply_checkpoint_wrapper(_settings.current(), module)

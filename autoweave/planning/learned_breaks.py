@@ -15,8 +15,9 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import boundaries, capture
+from autoweave import _compat
 from autoweave._state import run
+from autoweave.planning import boundaries
 
 
 class BreakWatch(logging.Handler):
@@ -25,7 +26,7 @@ class BreakWatch(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.stacks: list[tuple[str, list[Any]]] = []  # (first line of the reason, frames outermost first)
-        self._logger = logging.getLogger(capture.FALLBACK_LOGGER)
+        self._logger = logging.getLogger(_compat.FALLBACK_LOGGER)
 
     def emit(self, record: logging.LogRecord) -> None:
         error = record.msg

@@ -15,15 +15,16 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _compat, memory
-from autoweave._codegen import on_own_code
+from autoweave import _compat
 from autoweave._failopen import GraphGuard
 from autoweave._instances import install_forward, restore_forward
 from autoweave._log import logger
 from autoweave._state import run
-from autoweave.boundaries import own_forward, user_forward
-from autoweave.pieces import CheckpointPieces
-from autoweave.planner import Action, Plan
+from autoweave.planning import memory
+from autoweave.planning.boundaries import own_forward, user_forward
+from autoweave.planning.planner import Action, Plan
+from autoweave.weave.code_copy import on_own_code
+from autoweave.weave.pieces import CheckpointPieces
 
 _labels = itertools.count()
 

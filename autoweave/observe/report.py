@@ -24,9 +24,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoweave import _compat, _trace, _where, capture, plan_log
+from autoweave import _compat
 from autoweave._log import logger, rank, world_size
 from autoweave._state import run
+from autoweave.observe import counting, graph_breaks, summary, trace
 
 # -- the report: counting what compiled ---------------------------------------------------
 
@@ -36,7 +37,7 @@ class RegionStats:
     label: str  # the compiled function's name (shared by identical blocks)
     kind: str  # "woven" (a region of a woven plan) or "plain" (a plain compile autoweave routed)
     modules: list[str] = field(default_factory=list)
-    capture: capture.Capture = field(default_factory=capture.Capture)
+    capture: counting.Capture = field(default_factory=counting.Capture)
     backend_s: float = 0.0
     compile_s: float = 0.0
     compiles: int = 0
@@ -57,7 +58,7 @@ class RegionStats:
 
 
 class _Counting(_compat.BackendWrapper):
-    """A backend that counts each graph (``capture.Capture``) and times it, then compiles it.
+    """A backend that counts each graph (``counting.Capture``) and times it, then compiles it.
 
     Each compile gets its own wrapper, so the counts go to its region; yet two
     wrappers compare equal exactly when the backends they wrap do
@@ -92,7 +93,7 @@ class _LimitFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if capture.RECOMPILE_LIMIT_NEEDLE in message:
+        if counting.RECOMPILE_LIMIT_NEEDLE in message:
             lines = [line.strip() for line in message.splitlines()]
             self._stats.limit_hits.append(" ".join(lines[:3]))
         return True
@@ -113,15 +114,15 @@ class _Stats:
         self.recompiles = 0
         self._open: list[tuple[float, list[RegionStats], bool]] = []
         self._lock = threading.Lock()
-        self.fallbacks = capture.FallbackCounter()
+        self.fallbacks = counting.FallbackCounter()
         self._filter = _LimitFilter(self)
         self._callbacks: Any = None
 
     def install(self) -> None:
 
         self.fallbacks.install()
-        _where.watch_graph_breaks()  # the user's line of each graph break (autoweave/_where.py)
-        logging.getLogger(capture.RECOMPILE_LIMIT_LOGGER).addFilter(self._filter)
+        graph_breaks.watch_graph_breaks()  # the user's line of each graph break (autoweave/observe/graph_breaks.py)
+        logging.getLogger(counting.RECOMPILE_LIMIT_LOGGER).addFilter(self._filter)
         self._callbacks = _compat.compile_callbacks()
         if self._callbacks is not None:
             self._callbacks.register_start_callback(self._on_start)
@@ -129,7 +130,7 @@ class _Stats:
 
     def uninstall(self) -> None:
         self.fallbacks.uninstall()
-        logging.getLogger(capture.RECOMPILE_LIMIT_LOGGER).removeFilter(self._filter)
+        logging.getLogger(counting.RECOMPILE_LIMIT_LOGGER).removeFilter(self._filter)
         if self._callbacks is not None:
             for remove, fn in (
                 (self._callbacks.remove_start_callback, self._on_start),
@@ -175,20 +176,20 @@ class _Stats:
                 self.regions[label] = RegionStats(label, kind)
             return self.regions[label]
 
-    def name_regions(self, entry: plan_log.Entry) -> None:
+    def name_regions(self, entry: summary.Entry) -> None:
         labels = dict(entry.regions)
         if entry.plain_label is not None and not entry.plan.woven:
             labels[""] = entry.plain_label
         for path, label in labels.items():
             region = self.regions.get(label)
             if region is not None:
-                shown = plan_log.join_path(entry.shown, path)
+                shown = summary.join_path(entry.shown, path)
                 if shown not in region.modules:
                     region.modules.append(shown)
 
     def compiled_anything(self) -> bool:
         """Did this process compile, plan or see a fallback? If not, it has nothing to report."""
-        if self.compiles or self.regions or self.fallbacks.count or plan_log.entries():
+        if self.compiles or self.regions or self.fallbacks.count or summary.entries():
             return True
         try:
             from torch._dynamo.utils import counters
@@ -211,7 +212,7 @@ class _Stats:
             stats, breaks = {}, Counter()
         # A plain compile whose module was re-planned woven after its first call
         # ran once: reported, but not as live and not in the totals.
-        replaced = {e.plain_label for e in plan_log.entries() if e.plan.woven and e.plain_label}
+        replaced = {e.plain_label for e in summary.entries() if e.plan.woven and e.plain_label}
         regions = [
             {**r.as_dict(), "live": r.label not in replaced}
             for r in self.regions.values()
@@ -222,7 +223,7 @@ class _Stats:
         live = [r for r in regions if r["live"]]
         fallback_messages = Counter(m.strip().splitlines()[0] for m in self.fallbacks.messages if m.strip())
         plans = []
-        for entry in plan_log.entries():
+        for entry in summary.entries():
             plans.append(
                 {
                     "name": entry.shown,
@@ -231,7 +232,7 @@ class _Stats:
                     "mode": entry.plan.mode,
                     "strategy": entry.plan.strategy,
                     "summary": entry.plan.headline(),
-                    "decisions": plan_log.decision_records(entry),
+                    "decisions": summary.decision_records(entry),
                     "region": None if entry.plan.woven else entry.plain_label,
                 }
             )
@@ -261,14 +262,16 @@ class _Stats:
                 "compile_s": round(self.compile_s, 4),
                 "graph_breaks": sum(breaks.values()),
                 "graph_break_reasons": dict(breaks.most_common()),
-                "graph_break_sites": _where.graph_break_sites(breaks),  # autoweave/_where.py
+                "graph_break_sites": graph_breaks.graph_break_sites(
+                    breaks
+                ),  # autoweave/observe/graph_breaks.py
                 "recompile_limit_hits": list(self.limit_hits),
             },
             "ac_fallbacks": {
                 "count": self.fallbacks.count,
                 # Seen at a first call, then compiled around from the next call on.
                 "woven_around": min(self.woven_around, self.fallbacks.count),
-                "sites": _where.fallback_sites(),  # autoweave/_where.py
+                "sites": graph_breaks.fallback_sites(),  # autoweave/observe/graph_breaks.py
                 "messages": [{"message": m, "count": n} for m, n in fallback_messages.most_common()],
             },
         }
@@ -290,7 +293,7 @@ def on_woven_around(fallbacks: int) -> None:
             _stats.woven_around += fallbacks
 
 
-def on_plan(entry: plan_log.Entry) -> None:
+def on_plan(entry: summary.Entry) -> None:
     """A ``plan_log`` listener: name the regions of a recorded plan in the report."""
     if _stats is not None:
         _stats.name_regions(entry)
@@ -383,7 +386,7 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
         f"compile {totals['compile_s']:.1f} s (backend {totals['backend_s']:.1f} s)"
     )
     for region in sorted(data["regions"], key=lambda r: -r["compile_s"])[:4]:
-        where = plan_log.fold_names(region["modules"]) if region["modules"] else "?"
+        where = summary.fold_names(region["modules"]) if region["modules"] else "?"
         lines.append(
             f"    {where}: {region['graphs']} graphs, {region['ops']} ops, "
             f"{region['recompiles']} recompiles, {region['compile_s']:.2f} s"
@@ -398,7 +401,9 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
     for reason, count in dyn["graph_break_reasons"].items():
         reasons[reason.splitlines()[0][:100] if reason else "?"] += count
     for reason, count in reasons.most_common(3):
-        site = _where.first_site(dyn.get("graph_break_sites", {}), reason)  # autoweave/_where.py
+        site = graph_breaks.first_site(
+            dyn.get("graph_break_sites", {}), reason
+        )  # autoweave/observe/graph_breaks.py
         lines.append(f"    break x{count}: {reason}{site}")
     for hit in dyn["recompile_limit_hits"][:2]:
         lines.append(f"    limit: {hit[:100]}")
@@ -462,8 +467,8 @@ def _write_and_summarise(stats: _Stats) -> None:
 
 def at_exit() -> None:
     """Log any pending plan summary; write the report and print its summary (rank 0). Never raises."""
-    if plan_log.waiting():
-        _quietly("log the plan summary", plan_log.flush)
+    if summary.waiting():
+        _quietly("log the plan summary", summary.flush)
     stats = _stats
     if stats is None or stats.path is None:
         return
@@ -476,8 +481,8 @@ _registered = False
 def install(settings: Any) -> None:
     """Called when the patches load: plan listeners, the exit hook, and the report when asked for."""
     global _registered
-    plan_log.subscribe(on_plan)
-    plan_log.subscribe(_trace.emit_plan)  # TORCH_TRACE: each plan as a structured-trace artifact
+    summary.subscribe(on_plan)
+    summary.subscribe(trace.emit_plan)  # TORCH_TRACE: each plan as a structured-trace artifact
     if settings.report:
         start(settings.report)
     if not _registered:

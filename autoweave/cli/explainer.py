@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autoweave import boundaries, plan_log, planner
+from autoweave.observe import summary
+from autoweave.planning import boundaries, planner
 
 SIMULATED = "FSDP unit (fully_shard, simulated)"
 DEFAULT_SHARD = ("experts",)
@@ -247,6 +248,6 @@ def explain(
     entries = []
     for name, target in targets:
         plan = planner.plan(target, mode=mode, strategy=strategy, fullgraph=fullgraph)
-        entries.append(plan_log.Entry(name=name, type_name=plan_log.inner_type(target), plan=plan))
+        entries.append(summary.Entry(name=name, type_name=summary.inner_type(target), plan=plan))
     head = f"autoweave explain: {type(model).__name__} on meta; {how}; torch.compile(block) per block"
-    return head + "\n" + plan_log.format_summary(entries)
+    return head + "\n" + summary.format_summary(entries)

@@ -21,9 +21,10 @@ import re
 import threading
 from typing import Any
 
-from autoweave import _where, plan_log
 from autoweave._log import logger
 from autoweave._state import run
+from autoweave.observe import summary
+from autoweave.planning import sources
 
 PLAN_ARTIFACT = "autoweave_plan"
 REGION_ARTIFACT = "autoweave_region"
@@ -44,7 +45,7 @@ def enabled() -> bool:
     )
 
 
-def plan_payload(entry: plan_log.Entry) -> dict[str, Any]:
+def plan_payload(entry: summary.Entry) -> dict[str, Any]:
     """A recorded plan as the ``autoweave_plan`` artifact shows it."""
     plan = entry.plan
     return {
@@ -53,20 +54,20 @@ def plan_payload(entry: plan_log.Entry) -> dict[str, Any]:
         "woven": plan.woven,
         "mode": plan.mode,
         "strategy": plan.strategy,
-        "summary": plan_log.format_plan(plan, name=entry.name, type_name=entry.type_name),
-        "decisions": plan_log.decision_records(entry),
+        "summary": summary.format_plan(plan, name=entry.name, type_name=entry.type_name),
+        "decisions": summary.decision_records(entry),
         "boundaries": [
             {
-                "path": plan_log.join_path(entry.name, path),
+                "path": summary.join_path(entry.name, path),
                 "kind": kind,
-                "source": _where.source_dict(plan, path),
+                "source": sources.source_dict(plan, path),
             }
             for path, kind in plan.boundaries
         ],
     }
 
 
-def emit_plan(entry: plan_log.Entry) -> None:
+def emit_plan(entry: summary.Entry) -> None:
     """A ``plan_log`` listener: write the plan, remember its regions for their compiles. Never raises."""
     if not enabled():
         return

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _compat, _where, boundaries, checkpoints
+from autoweave import _compat
 from autoweave._settings import MODES, STRATEGIES, check_choice
+from autoweave.planning import boundaries, checkpoint_calls, sources
 
 Classifier = Callable[[nn.Module], "str | None"]
 
@@ -84,11 +85,11 @@ class Plan:
     # checkpoint_wrapper(torch.compile(block)) under selective AC: the enclosing
     # wrapper's checkpoint, moved into this plan's regions (the wrapper stops checkpointing).
     outer_push_down: CheckpointSpec | None = None
-    # Where each boundary sits in the user's source (path -> _where.Source), for messages.
+    # Where each boundary sits in the user's source (path -> sources.Source), for messages.
     sources: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
 
     def source(self, path: str) -> Any:
-        """The boundary at ``path``'s place in the user's source (``_where.Source``), or None."""
+        """The boundary at ``path``'s place in the user's source (``sources.Source``), or None."""
         return dict(self.sources).get(path)
 
     def regions(self) -> list[Decision]:
@@ -166,18 +167,18 @@ def calls_checkpoint(module: nn.Module) -> bool:
     forward = boundaries.user_forward(module)
     while isinstance(forward, functools.partial):
         forward = forward.func
-    return checkpoints.code_checkpoints(forward, getattr(forward, "__self__", None))
+    return checkpoint_calls.code_checkpoints(forward, getattr(forward, "__self__", None))
 
 
 def traces_checkpoint(module: nn.Module, *, call_traced: bool = True) -> bool:
     """Would a compile of ``module`` trace some checkpoint (where a break would cost the region)?"""
     target = unwrap(module)
-    if call_traced and checkpoints.call_checkpoints(target):
+    if call_traced and checkpoint_calls.call_checkpoints(target):
         return True
     return any(
         checkpoint_spec(m) is not None
         or calls_checkpoint(m)
-        or (m is not target and checkpoints.call_checkpoints(m))
+        or (m is not target and checkpoint_calls.call_checkpoints(m))
         for m in target.modules()
     )
 
@@ -235,7 +236,7 @@ class _Tree:
             # An FSDP unit's hooks break the graph, but its forward (and the
             # checkpoint of an AC wrapper that is itself the unit) is traced.
             if self.has_boundary_below(child) and (
-                checkpoint_spec(child) is not None or checkpoints.call_checkpoints(child)
+                checkpoint_spec(child) is not None or checkpoint_calls.call_checkpoints(child)
             ):
                 return True
             if self.traced_ac_over_boundary(child):
@@ -521,7 +522,7 @@ class _Planner:
             if spec is not None and self.tree.has_boundary_below(child):
                 self.checkpointed(child_path, child, spec, ctx, opaque=True)
             elif self.tree.has_boundary_below(child) and (
-                calls_checkpoint(child) or checkpoints.call_checkpoints(child)
+                calls_checkpoint(child) or checkpoint_calls.call_checkpoints(child)
             ):
                 self.add(
                     child_path,
@@ -585,12 +586,12 @@ def plan(
         measured=measured,
     )
     target = unwrap(module)
-    sources = tuple(
+    places = tuple(
         (path, source)
         for path, _ in found_plan.boundaries
-        if (source := _where.boundary_source(target, path))
+        if (source := sources.boundary_source(target, path))
     )
-    return dataclasses.replace(found_plan, sources=sources)
+    return dataclasses.replace(found_plan, sources=places)
 
 
 def _plan(
@@ -641,7 +642,7 @@ def _plan(
     own_spec = checkpoint_spec(target)
     # A layer that checkpoints in its own __call__ (HF's GradientCheckpointingLayer):
     # torch.compile(layer) traces that checkpoint; the dispatcher runs __call__ eagerly.
-    call_ac = call_traced and own_spec is None and checkpoints.call_checkpoints(target)
+    call_ac = call_traced and own_spec is None and checkpoint_calls.call_checkpoints(target)
     traced_ac = own_spec is not None or call_ac or tree.traced_ac_over_boundary(target)
     if mode == "auto" and not traced_ac and not fullgraph:
         return plain(

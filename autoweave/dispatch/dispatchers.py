@@ -9,46 +9,20 @@ decision is re-made if the module tree under the target changes later.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import threading
-import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch.nn as nn
 
-from autoweave import (
-    _changes,
-    _compat,
-    _instances,
-    _settings,
-    _where,
-    breaks,
-    capture,
-    decorated_checkpoints,
-    memory,
-    plan_log,
-    planner,
-    report,
-    weave,
-)
+from autoweave import _compat, _instances, _settings
 from autoweave._failopen import AutoweaveError, FailedFrames, _strict, frames_fail_open, guard, warn_each
 from autoweave._log import logger
 from autoweave._state import run as _run
-
-_off: contextvars.ContextVar[bool] = contextvars.ContextVar("autoweave_off", default=False)
-
-
-@contextmanager
-def disabled() -> Iterator[None]:
-    """Compile requests made inside this block go to plain torch."""
-    token = _off.set(True)
-    try:
-        yield
-    finally:
-        _off.reset(token)
+from autoweave.observe import counting, graph_breaks, report, summary
+from autoweave.planning import learned_breaks, memory, planner, tree_changes
+from autoweave.weave import apply
 
 
 def _compile_function(*args: Any, **kwargs: Any) -> Any:
@@ -56,96 +30,6 @@ def _compile_function(*args: Any, **kwargs: Any) -> Any:
     import torch
 
     return torch.compile(*args, **kwargs)
-
-
-# -- routing ------------------------------------------------------------------------------
-
-
-def route_compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``torch.compile(...)``: weave-aware for modules, untouched for everything else."""
-    model = args[0] if args else kwargs.get("model")
-    if _off.get() or not isinstance(model, nn.Module) or kwargs.get("disable"):
-        # Functions, the decorator form (model=None), which re-enters
-        # torch.compile with the function it decorates, and compiles the user
-        # switched off: exactly torch's.
-        return wrapped(*args, **kwargs)
-    _make_decorated_checkpoints_traceable(model)
-    # torch's own compile first, outside any guard: what it rejects (a bad
-    # backend, conflicting options) raises here, with torch's error, as without us.
-    compiled = wrapped(*args, **report.plain_kwargs(model, kwargs))
-    with guard(f"preparing the weave for {type(model).__name__}") as failed:
-        _Dispatcher.attach_to_optimized(compiled, _compile_kwargs(args[1:], kwargs))
-    if failed:
-        return wrapped(*args, **kwargs)
-    return compiled
-
-
-def route_module_compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``module.compile(...)`` in place."""
-    if _off.get() or not isinstance(instance, nn.Module) or kwargs.get("disable"):
-        return wrapped(*args, **kwargs)
-    compile_kwargs = _compile_kwargs(args, kwargs)
-    _make_decorated_checkpoints_traceable(instance)
-    # What nn.Module.compile does, done now and outside any guard: torch's
-    # errors (a bad backend, conflicting options) raise at .compile(), as without us.
-    plain = _compile_function(instance._call_impl, **report.plain_kwargs(instance, compile_kwargs))
-    with guard(f"preparing the weave for {type(instance).__name__}") as failed:
-        _Dispatcher.attach_in_place(instance, compile_kwargs, plain)
-    if failed:
-        instance._compiled_call_impl = plain
-    return None
-
-
-def _make_decorated_checkpoints_traceable(model: nn.Module) -> None:
-    # torch 2.15's @checkpoint on a forward: compiled as written it fails in backward
-    # (see decorated_checkpoints); the call form compiles, with the same options.
-    with guard(f"making {type(model).__name__}'s decorated checkpoints traceable"):
-        decorated_checkpoints.make_traceable(model)
-
-
-def route_checkpoint_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``checkpoint_wrapper(...)``: plain result; a compiled target is re-planned under the new AC."""
-    wrapper = wrapped(*args, **kwargs)
-    if _off.get():
-        return wrapper
-    target = args[0] if args else kwargs.get("module")
-    dispatcher = _instances.dispatcher_of(target) if isinstance(target, nn.Module) else None
-    if dispatcher is not None:
-        with guard("watching the AC around a compiled module"):
-            _gate_outer_ac(dispatcher, wrapper)
-    return wrapper
-
-
-def _gate_outer_ac(dispatcher: _Dispatcher, wrapper: nn.Module) -> None:
-    """checkpoint_wrapper(torch.compile(block)): decide before the checkpoint starts.
-
-    Plain torch copes with full AC outside the compile; a selective policy must
-    move inside the compiled regions (planner.plan's ``outer_ac``). That is known
-    only at the first call, and by the time the compiled block runs, the eager
-    checkpoint has begun: so the wrapper's forward asks the dispatcher first and
-    skips its own checkpoint when the plan moved it inside.
-    """
-    dispatcher.outer = weakref.ref(wrapper)
-    wrapper_ref = weakref.ref(wrapper)
-    wrapper_forward = type(wrapper).forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        wrapper = wrapper_ref()
-        dispatcher.ensure_decided()
-        if dispatcher.skip_outer_checkpoint:
-            return wrapper._checkpoint_wrapped_module(*args, **kwargs)
-        return wrapper_forward(wrapper, *args, **kwargs)
-
-    _instances.install_forward(wrapper, forward)
-
-
-def _compile_kwargs(args: tuple, kwargs: dict) -> dict[str, Any]:
-    # torch.compile's options are keyword-only after ``model``; keep any
-    # positional extras out of the region calls rather than guess their names.
-    out = {k: v for k, v in kwargs.items() if k != "model"}
-    if args:
-        logger.debug("ignoring positional compile arguments %r", args)
-    return out
 
 
 # -- the deferred decision ----------------------------------------------------------------
@@ -156,7 +40,7 @@ class _RecompileLimitFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if capture.RECOMPILE_LIMIT_NEEDLE in message and "autoweave_" in message:
+        if counting.RECOMPILE_LIMIT_NEEDLE in message and "autoweave_" in message:
             logger.warning(
                 "a woven region hit dynamo's recompile limit and now runs eager: %s",
                 message.splitlines()[1].strip() if "\n" in message else message,
@@ -171,14 +55,14 @@ def _install_recompile_filter() -> None:
     global _recompile_filter_installed
     if not _recompile_filter_installed:
         _recompile_filter_installed = True
-        logging.getLogger(capture.RECOMPILE_LIMIT_LOGGER).addFilter(_RecompileLimitFilter())
+        logging.getLogger(counting.RECOMPILE_LIMIT_LOGGER).addFilter(_RecompileLimitFilter())
 
 
 def _fingerprint(target: nn.Module) -> tuple:
-    from autoweave.boundaries import MARK
+    from autoweave.planning.boundaries import MARK
 
     modules = list(target.named_modules())
-    _changes.watch(m for _, m in modules)  # a registration into any of them moves the signal
+    tree_changes.watch(m for _, m in modules)  # a registration into any of them moves the signal
     # A block measured holding more as pieces than eager SAC would is planned again (memory).
     return tuple((name, type(m), getattr(m, MARK, None), memory.hoist_reason(m)) for name, m in modules)
 
@@ -207,7 +91,7 @@ class _Dispatcher:
         self._lock = threading.RLock()
         self._generation = -1  # _state.run.generation when the tree was last read
         self._fingerprint: tuple | None = None
-        self._applied: weave.Applied | None = None
+        self._applied: apply.Applied | None = None
         self._trial = False  # the woven regions have not run yet: their compile may still fail
         self.fell_back = False  # fullgraph=True met a break autoweave does not compile around: plain torch
         self._watch_first_call = False
@@ -287,7 +171,7 @@ class _Dispatcher:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             if not dispatcher.ensure_decided() and dispatcher._called and _run.summary_pending:
-                plan_log.next_call(dispatcher)  # called again: every block has planned; log the one summary
+                summary.next_call(dispatcher)  # called again: every block has planned; log the one summary
             dispatcher._called = True
             if dispatcher._applied is not None:
                 if dispatcher._trial:
@@ -311,7 +195,7 @@ class _Dispatcher:
 
     def _watched(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Run a first call listening for dynamo's AC fallback; on one, re-plan around the break."""
-        with capture.FallbackCounter() as watch, breaks.BreakWatch() as where:
+        with counting.FallbackCounter() as watch, learned_breaks.BreakWatch() as where:
             out = call(*args, **kwargs)
         if watch.count:
             self._on_hidden_fallback(where.stacks)
@@ -340,7 +224,7 @@ class _Dispatcher:
                 if allowed is None:
                     out = self._watched(self._eager, args, kwargs)
                 else:
-                    with _where.recording_graph_breaks() as seen:
+                    with graph_breaks.recording_graph_breaks() as seen:
                         out = self._watched(self._eager, args, kwargs)
             except BaseException:
                 failed.compile_again()  # dynamo skipped them on the model's error: compile them next call
@@ -354,9 +238,11 @@ class _Dispatcher:
 
     def _on_failed_frames(self, failed: FailedFrames) -> None:
         """The first call ran, some frame eager in place of its compile: autoweave's failure, told once."""
-        name = plan_log.name_of(self)
+        name = summary.name_of(self)
         for exc, code in failed.errors:
-            logger.debug("%s: dynamo could not compile %s", name, getattr(code, "co_name", "a frame"), exc_info=exc)
+            logger.debug(
+                "%s: dynamo could not compile %s", name, getattr(code, "co_name", "a frame"), exc_info=exc
+            )
         if _strict():
             failed.compile_again()
             raise AutoweaveError(
@@ -392,7 +278,7 @@ class _Dispatcher:
             self.fell_back = True  # plain fullgraph compile from now on: it raises at every call
             if plan is not None:
                 self.plan = plan.plain_instead("fullgraph=True and a graph break outside the boundaries")
-                plan_log.record_plan(self, self.plan, plain_label=report.plain_label(self.target))
+                summary.record_plan(self, self.plan, plain_label=report.plain_label(self.target))
         first = unexpected[0]
         raise _compat.fullgraph_break(
             f"fullgraph=True: graph break at {first.site} ({first.reason or 'see TORCH_LOGS=graph_breaks'}); "
@@ -436,7 +322,7 @@ class _Dispatcher:
         (other blocks' breaks) joins this block's own.
         """
         outer = self.outer() if self.outer is not None else None
-        options["breaks"] = {**breaks.known(self.target), **options.get("breaks", {})}
+        options["breaks"] = {**learned_breaks.known(self.target), **options.get("breaks", {})}
         options["measured"] = memory.known(self.target)
         return planner.plan(
             self.target,
@@ -450,7 +336,7 @@ class _Dispatcher:
         self.plan = plan
         if plan.woven:
             _install_recompile_filter()
-            self._applied = weave.apply_plan(
+            self._applied = apply.apply_plan(
                 planner.unwrap(self.target),
                 plan,
                 _compile_function,
@@ -460,12 +346,12 @@ class _Dispatcher:
             self._trial = True
         self.skip_outer_checkpoint = plan.outer_push_down is not None and self._applied is not None
         logger.debug("%s: %s", plan.root_type, plan.headline())
-        plan_log.record_plan(self, plan, plain_label=report.plain_label(self.target))
+        summary.record_plan(self, plan, plain_label=report.plain_label(self.target))
 
     def _on_hidden_fallback(self, stacks: list[tuple[str, list[Any]]]) -> None:
         with self._lock, guard(f"re-planning {type(self.target).__name__}"):
             target = planner.unwrap(self.target)
-            located = breaks.locate(target, stacks)
+            located = learned_breaks.locate(target, stacks)
             spec = planner.checkpoint_spec(target)
             if not located and spec is not None:
                 # No location from dynamo: the wrapped block breaks somewhere; hoist
@@ -474,7 +360,7 @@ class _Dispatcher:
                     id(target._checkpoint_wrapped_module): "a graph break inside (dynamo gave no location)"
                 }
             mode, strategy = self._mode_and_strategy()
-            breaks.learn(target, located)
+            learned_breaks.learn(target, located)
             learned: dict[str, Any] = {"breaks": {**self._learned.get("breaks", {}), **located}}
             plan = self._plan(mode=mode, strategy=strategy, **learned)
             if not plan.woven:
@@ -485,7 +371,7 @@ class _Dispatcher:
             self._learned = learned
             logger.info(
                 "%s: dynamo ran a checkpointed region eager at the first call (%s); woven from the next call on",
-                plan_log.name_of(self),
+                summary.name_of(self),
                 "; ".join(sorted(set(located.values()))) or "location unknown",
             )
             # Applied at the next call, not now: this call's backward will
@@ -496,7 +382,7 @@ class _Dispatcher:
         for other in list(_run.live):
             if other is not self:
                 other._fingerprint = None
-        _changes.bump()
+        tree_changes.bump()
         # That cached fallback also answers *other* modules sharing the code whose
         # guards it passes (a dense block behind the same CheckpointWrapper.forward
         # would run eager from then on): drop the cache of the code it was traced on.
@@ -561,15 +447,11 @@ def set_mode(module: nn.Module, mode: str | None = None, *, strategy: str | None
             object.__setattr__(obj, _settings.MODE_ATTR, mode)
         if strategy is not None:
             object.__setattr__(obj, _settings.STRATEGY_ATTR, strategy)
-    _changes.bump()
+    tree_changes.bump()
     return module
 
 
 __all__ = [
-    "disabled",
     "dispatcher_of",
-    "route_checkpoint_wrapper",
-    "route_compile",
-    "route_module_compile",
     "set_mode",
 ]

@@ -34,9 +34,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from autoweave import _changes, _compat
+from autoweave import _compat
 from autoweave._log import logger
 from autoweave._state import run
+from autoweave.planning import tree_changes
 
 _lock = threading.Lock()
 # Pieces may hold this much more than eager SAC before the block is planned with hoist.
@@ -203,7 +204,7 @@ def learn(wrapper: Any, verdict: Verdict) -> None:
     with _lock:
         run.learned_memory.setdefault(key, verdict)
     if verdict.hoist:
-        _changes.bump()  # the dispatchers holding blocks of this kind re-read their tree
+        tree_changes.bump()  # the dispatchers holding blocks of this kind re-read their tree
 
 
 def verdict_of(module: Any) -> Verdict | None:

@@ -100,24 +100,25 @@ def apply_torch(settings: Settings) -> None:
     _compat.check_torch_version(untested=settings.untested_torch)
     import torch
 
-    from autoweave import _changes, runtime
+    from autoweave.dispatch import routes
+    from autoweave.planning import tree_changes
 
-    _changes.install()
+    tree_changes.install()
     if "compile" not in settings.disabled_patches:
-        _apply("compile", torch, "compile", runtime.route_compile)
+        _apply("compile", torch, "compile", routes.route_compile)
     if "module_compile" not in settings.disabled_patches:
-        _apply("module_compile", torch.nn.Module, "compile", runtime.route_module_compile)
+        _apply("module_compile", torch.nn.Module, "compile", routes.route_module_compile)
 
 
 def apply_checkpoint_wrapper(settings: Settings, module: Any) -> None:
     """Wrap ``checkpoint_wrapper`` and the default argument that captured it."""
     if "checkpoint_wrapper" in settings.disabled_patches:
         return
-    from autoweave import runtime
+    from autoweave.dispatch import routes
 
     with _lock:
         original = _current(module, "checkpoint_wrapper")
-        if not _apply("checkpoint_wrapper", module, "checkpoint_wrapper", runtime.route_checkpoint_wrapper):
+        if not _apply("checkpoint_wrapper", module, "checkpoint_wrapper", routes.route_checkpoint_wrapper):
             return
         wrapper = module.checkpoint_wrapper
         apply_ac = getattr(module, "apply_activation_checkpointing", None)
@@ -135,9 +136,9 @@ def revert_all() -> None:
         for function, defaults in _defaults_patched:
             function.__defaults__ = defaults
         _defaults_patched.clear()
-        from autoweave import _changes
+        from autoweave.planning import tree_changes
 
-        _changes.uninstall()
+        tree_changes.uninstall()
 
 
 def applied() -> list[str]:

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoweave import _where
 from autoweave._instances import dispatcher_of
 from autoweave._log import SUMMARY, logger, rank
 from autoweave._state import run
-from autoweave.planner import Action, Plan
+from autoweave.planning import sources
+from autoweave.planning.planner import Action, Plan
 
 _WRAPPER_SEGMENTS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)(?=\.|$)")
 _WRAPPER_ATTRS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
@@ -321,7 +321,7 @@ def decision_records(entry: Entry) -> list[dict[str, Any]]:
             "action": d.action.value,
             "reason": d.reason,
             "region": entry.regions.get(d.path),
-            "source": _where.source_dict(entry.plan, d.path),
+            "source": sources.source_dict(entry.plan, d.path),
             "notes": region_notes(entry.regions.get(d.path)),
         }
         for d in entry.plan.decisions

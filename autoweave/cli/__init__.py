@@ -1,0 +1,1 @@
+"""Command-line tools: ``python -m autoweave doctor|explain``, ``autoweave-run``."""

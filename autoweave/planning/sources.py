@@ -1,0 +1,149 @@
+"""Where in the user's source a boundary is: ``file:line``, read from code objects.
+
+A boundary's place is the line of the parent's forward that calls it, and the
+line where its class's forward is defined; both are cheap to read and never
+fail planning (a best-effort annotation for messages).
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Source:
+    """A boundary's place: the call in its parent's forward, and its own forward's definition."""
+
+    call: str | None  # "file:line" of ``self.<name>(...)`` in the parent's forward
+    forward: str | None  # "file:line" of ``def forward`` of the boundary's class
+
+    def __str__(self) -> str:
+        parts = []
+        if self.call:
+            parts.append(f"called at {self.call}")
+        if self.forward:
+            parts.append(f"forward at {self.forward}")
+        return ", ".join(parts)
+
+    def as_dict(self) -> dict[str, str | None]:
+        return {"call": self.call, "forward": self.forward}
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    # Frames in torch or autoweave are not where the user wrote anything.
+    import torch
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the autoweave package, not plan/
+    return tuple(d + os.sep for d in (os.path.dirname(os.path.abspath(torch.__file__)), package))
+
+
+def is_user_file(filename: str) -> bool:
+    return not filename.startswith("<") and not os.path.abspath(filename).startswith(_library_dirs())
+
+
+def _code_of(fn: Any) -> Any:
+    fn = getattr(fn, "__func__", fn)
+    for _ in range(8):  # functools.wraps chains (torch.compiler.disable, user decorators)
+        if not hasattr(fn, "__wrapped__"):
+            break
+        fn = fn.__wrapped__
+    return getattr(fn, "__code__", None)
+
+
+def _user_module(module: Any) -> Any:
+    # Look through torch's wrappers (checkpoint, FSDP1, compile) to the user's module.
+    for _ in range(8):
+        modules = getattr(module, "_modules", {})
+        inner = next(
+            (
+                modules[a]
+                for a in ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
+                if a in modules
+            ),
+            None,
+        )
+        if inner is None:
+            return module
+        module = inner
+    return module
+
+
+@functools.lru_cache(maxsize=256)
+def _attribute_lines(code: Any) -> dict[str, int]:
+    """First line on which ``code`` loads each attribute name (``self.experts`` -> 'experts')."""
+    lines: dict[str, int] = {}
+    line = code.co_firstlineno
+    for instruction in dis.get_instructions(code):
+        positions = getattr(instruction, "positions", None)  # 3.11+
+        if positions is not None and positions.lineno is not None:
+            line = positions.lineno
+        elif instruction.starts_line:
+            line = instruction.starts_line
+        if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(instruction.argval, str):
+            lines.setdefault(instruction.argval, line)
+    return lines
+
+
+def forward_site(module: Any) -> str | None:
+    """``file:line`` of the forward the user wrote for ``module`` (instance or class)."""
+    module = _user_module(module)
+    forward = module.__dict__.get("forward") or type(module).forward
+    code = _code_of(forward)
+    if code is None or not is_user_file(code.co_filename):
+        return None
+    return f"{code.co_filename}:{code.co_firstlineno}"
+
+
+def call_site(parent: Any, name: str) -> str | None:
+    """``file:line`` of the first ``self.<name>`` in ``parent``'s forward, when the user wrote it.
+
+    A subclass's forward that calls ``super().forward`` leaves the call in a base
+    class's forward: the classes are searched in method resolution order.
+    """
+    parent = _user_module(parent)
+    forwards = [parent.__dict__.get("forward")] + [
+        cls.__dict__.get("forward") for cls in type(parent).__mro__
+    ]
+    for forward in forwards:
+        code = _code_of(forward) if forward is not None else None
+        if code is None or not is_user_file(code.co_filename):
+            continue
+        line = _attribute_lines(code).get(name)
+        if line is not None:
+            return f"{code.co_filename}:{line}"
+    return None
+
+
+def source_dict(plan: Any, path: str) -> dict[str, str | None] | None:
+    """``plan.source(path)`` as JSON (``{"call": ..., "forward": ...}``), or None."""
+    source = plan.source(path) if hasattr(plan, "source") else None
+    return source.as_dict() if source is not None else None
+
+
+def _user_parent(root: Any, path: str) -> tuple[Any, str] | None:
+    # The nearest ancestor that is not a torch wrapper, and the attribute it calls.
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        name = parts[cut]
+        if name in ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"):
+            continue
+        parent = root.get_submodule(".".join(parts[:cut])) if cut else root
+        return parent, name
+    return None
+
+
+def boundary_source(root: Any, path: str) -> Source | None:
+    """Where the boundary at ``path`` under ``root`` is called and defined; None if neither is user code."""
+    try:
+        module = root.get_submodule(path)
+        found = _user_parent(root, path)
+        call = call_site(*found) if found is not None else None
+        source = Source(call, forward_site(module))
+    except Exception:  # a best-effort annotation never fails planning
+        return None
+    return source if source.call or source.forward else None
