@@ -13,11 +13,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
     import torch.nn as nn
 
+    from autoweave._failopen import AutoweaveError
     from autoweave.planning.planner import Plan
 
 from autoweave._version import __version__
 
 __all__ = [
+    "AutoweaveError",
     "boundary",
     "disable",
     "disabled",
@@ -135,6 +137,16 @@ def explain(model_or_factory: "Any", **options: "Any") -> str:
     from autoweave.cli import explainer
 
     return explainer.explain(model_or_factory, **options)
+
+
+def __getattr__(name: str) -> "Any":
+    # AutoweaveError lives with the fail-open guard, which imports logging, inspect and
+    # dataclasses (~25 ms); loaded on first use, so ``import autoweave`` stays cheap.
+    if name == "AutoweaveError":
+        from autoweave._failopen import AutoweaveError
+
+        return AutoweaveError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _environ() -> dict[str, str]:
