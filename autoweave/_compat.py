@@ -164,6 +164,54 @@ def fsdp1_module() -> type | None:
     return _optional("torch.distributed.fsdp.FullyShardedDataParallel")
 
 
+# -- private attributes of torch's wrapper modules ---------------------------------------
+# The same names on every torch in TESTED_TORCH. None has a public accessor upstream;
+# each would become unnecessary with one (listed per name).
+
+# OptimizedModule (torch/_dynamo/eval_frame.py): the module torch.compile wrapped. No public
+# accessor (torch._dynamo docs name ``_orig_mod`` as the way; pytorch/pytorch#101107).
+COMPILED_INNER = "_orig_mod"
+# nn.Module.compile stores its compiled ``_call_impl`` here (torch 2.2+; torch/nn/modules/module.py).
+COMPILED_CALL = "_compiled_call_impl"
+# CheckpointWrapper (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py): the wrapped
+# module and the checkpoint function it calls (a functools.partial of torch.utils.checkpoint).
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
+CHECKPOINT_FN = "checkpoint_fn"
+# FSDP1's wrapper (torch/distributed/fsdp/fully_sharded_data_parallel.py).
+FSDP1_WRAPPED = "_fsdp_wrapped_module"
+# torch's wrappers whose child is the user's module, looked through for messages and plans.
+WRAPPED_CHILD_ATTRS = (CHECKPOINT_WRAPPED, FSDP1_WRAPPED, COMPILED_INNER)
+
+
+def compiled_inner(optimized: Any) -> Any:
+    """The module ``torch.compile`` wrapped in ``optimized`` (an OptimizedModule)."""
+    return getattr(optimized, COMPILED_INNER)
+
+
+def compiled_call(module: Any) -> Any:
+    """What ``module.compile()`` installed (None if it was not compiled in place)."""
+    return getattr(module, COMPILED_CALL, None)
+
+
+def set_compiled_call(module: Any, call: Any) -> None:
+    """Install ``call`` where ``module.compile()`` puts the compiled ``_call_impl``."""
+    setattr(module, COMPILED_CALL, call)
+
+
+def checkpoint_wrapped(wrapper: Any) -> Any:
+    """The module a ``CheckpointWrapper`` wraps."""
+    return getattr(wrapper, CHECKPOINT_WRAPPED)
+
+
+def checkpoint_fn(wrapper: Any) -> Any:
+    """The checkpoint function a ``CheckpointWrapper`` calls (a partial of torch.utils.checkpoint)."""
+    return getattr(wrapper, CHECKPOINT_FN, None)
+
+
+def set_checkpoint_fn(wrapper: Any, fn: Any) -> None:
+    setattr(wrapper, CHECKPOINT_FN, fn)
+
+
 def dynamo_disabled(fn: Any) -> bool:
     """True when ``fn`` was wrapped by ``torch.compiler.disable``/``torch._dynamo.disable``."""
     seen = 0

@@ -33,16 +33,24 @@ def _strict() -> bool:
     return _settings.current().strict
 
 
-def warn_once(message: str) -> None:
-    """Write ``message`` to stderr unless a fallback warning was already written."""
+def swallowed(slug: str, key: str, message: str, exc: BaseException) -> None:
+    """The one fail-open policy: count what was swallowed, say it once per ``key``, or raise (strict).
+
+    Every place autoweave degrades instead of failing (``guard``, a graph, a
+    piece, a first call's frames) comes here: the count per slug goes into the
+    report; the traceback goes to the logger at debug level; stderr gets one
+    warning per key with its slug (README lists them); ``AUTOWEAVE_STRICT=1``
+    raises ``AutoweaveError`` from the original instead.
+    """
     with _lock:
-        if run.warned:
-            return
-        run.warned = True
-    try:
-        sys.stderr.write(f"autoweave[rank{rank()}]: {message}\n")
-    except Exception:  # a closed stderr must not turn a warning into a crash
-        pass
+        run.swallowed[slug] = run.swallowed.get(slug, 0) + 1
+    if _strict():
+        raise AutoweaveError(f"autoweave [{slug}]: {message}") from exc
+    logger.debug("[%s] %s", slug, message, exc_info=exc)
+    warn_each(
+        key,
+        f"[{slug}] {message}. Set AUTOWEAVE_STRICT=1 to raise, AUTOWEAVE_LOG_LEVEL=debug for the traceback.",
+    )
 
 
 @contextmanager
@@ -50,19 +58,19 @@ def guard(what: str, *, fallback: str = "running as plain torch would") -> Itera
     """Run a block; on failure record it, warn once, and let the caller fall back.
 
     Yields a list that holds the exception when one was swallowed, so the caller
-    can tell whether to take its fallback path.
+    can tell whether to take its fallback path. Internal errors are told once per
+    process (the first one is the one to report; later ones are often its echo).
     """
     caught: list[BaseException] = []
     try:
         yield caught
     except Exception as exc:
-        if _strict():
-            raise AutoweaveError(f"autoweave failed while {what}: {exc}") from exc
         caught.append(exc)
-        logger.debug("autoweave failed while %s", what, exc_info=True)
-        warn_once(
-            f"[internal-error] failed while {what}: {type(exc).__name__}: {exc}; "
-            f"{fallback}. Set AUTOWEAVE_STRICT=1 to raise, AUTOWEAVE_LOG_LEVEL=debug for the traceback."
+        swallowed(
+            "internal-error",
+            "internal-error",
+            f"failed while {what}: {type(exc).__name__}: {exc}; {fallback}",
+            exc,
         )
 
 
@@ -115,15 +123,13 @@ class GraphGuard(_compat.BackendWrapper):
         except _compat.backend_errors_dynamo_handles():
             raise
         except Exception as exc:
-            if _strict():
-                raise
             why = _first_line(exc)
-            logger.debug("backend %s failed on a graph of %s", self.__name__, self.region, exc_info=exc)
-            warn_each(
+            swallowed(
+                "graph-eager",
                 f"graph:{why}",
-                f"[graph-eager] the backend {self.__name__!r} failed on a graph of the woven region "
-                f"{self.region} ({why}); that graph runs eager, the rest stays compiled. "
-                "Set AUTOWEAVE_STRICT=1 to raise, AUTOWEAVE_LOG_LEVEL=debug for the traceback.",
+                f"the backend {self.__name__!r} failed on a graph of the woven region {self.region} ({why}); "
+                "that graph runs eager, the rest stays compiled",
+                exc,
             )
             return gm.forward
 

@@ -25,8 +25,8 @@ class RunState:
         # into these move the counter (a slice's fresh ModuleList is not one).
         self.watched: weakref.WeakSet[Any] = weakref.WeakSet()
         # _failopen: the one internal-error warning, and the per-key warnings given.
-        self.warned = False
-        self.warned_keys: set[str] = set()
+        self.warned_keys: set[str] = set()  # fail-open warnings already written (once per key)
+        self.swallowed: dict[str, int] = {}  # slug -> how many failures of autoweave's own failed open
         # breaks: forward code object -> why it breaks (what one block taught the others).
         self.learned_breaks: dict[Any, str] = {}
         # memory: kind of block -> what its pieces were measured to hold against eager SAC.

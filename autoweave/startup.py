@@ -41,7 +41,7 @@ def _prepare(current: Settings) -> None:
     if is_launcher() or not _tells_the_job():
         return  # the same settings reach every rank: told once per job, never by torchrun's launcher
     for problem in current.problems:
-        _warn(problem)
+        _warn(f"[bad-setting] {problem}")
 
 
 def startup() -> None:

@@ -9,6 +9,7 @@ decision is re-made if the module tree under the target changes later.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections.abc import Callable
@@ -17,7 +18,15 @@ from typing import Any
 import torch.nn as nn
 
 from autoweave import _compat, _instances, _settings
-from autoweave._failopen import AutoweaveError, FailedFrames, _strict, frames_fail_open, guard, warn_each
+from autoweave._failopen import (
+    AutoweaveError,
+    FailedFrames,
+    _strict,
+    frames_fail_open,
+    guard,
+    swallowed,
+    warn_each,
+)
 from autoweave._log import logger
 from autoweave._state import run as _run
 from autoweave.observe import counting, graph_breaks, report, summary
@@ -41,9 +50,11 @@ class _RecompileLimitFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if counting.RECOMPILE_LIMIT_NEEDLE in message and "autoweave_" in message:
-            logger.warning(
-                "a woven region hit dynamo's recompile limit and now runs eager: %s",
-                message.splitlines()[1].strip() if "\n" in message else message,
+            where = message.splitlines()[1].strip() if "\n" in message else message
+            warn_each(
+                f"recompile-limit:{where}",
+                f"[recompile-limit] a woven region hit dynamo's recompile limit and now runs eager: {where}. "
+                "TORCH_LOGS=recompiles says which guard failed each time",
             )
         return True
 
@@ -67,8 +78,58 @@ def _fingerprint(target: nn.Module) -> tuple:
     return tuple((name, type(m), getattr(m, MARK, None), memory.hoist_reason(m)) for name, m in modules)
 
 
+class State(enum.Enum):
+    """Where a dispatcher is in its life; ``_Dispatcher.state`` holds one, ``_TRANSITIONS`` the moves."""
+
+    UNPLANNED = "unplanned"  # attached to a compiled module; its first forward decides
+    PLAIN = "plain"  # runs what plain torch.compile would (the plan weaves nothing, or it was given up)
+    WATCHING = "watching"  # plain, and the next call is watched for dynamo's silent AC fallback
+    LEARNED = "learned"  # a fallback taught where a block breaks: the new plan applies at the next call
+    TRIAL = (
+        "trial"  # woven; the next call is the regions' first, which compiles them (runs once, whatever fails)
+    )
+    WOVEN = "woven"  # woven and compiled: every call runs the installed regions
+    GIVEN_UP = "given-up"  # fullgraph=True met a break outside the boundaries: plain torch (which raises)
+
+
+class Why(enum.Enum):
+    """Each way a dispatcher plans again or falls back, named (the debug log and ``history`` say which)."""
+
+    PLANNED = "planned at the first call"
+    TREE_CHANGED = "the module tree under the target changed: planned again"
+    OFF = "autoweave was turned off before the first call: plain torch.compile"
+    PLANNING_FAILED = "planning failed (autoweave's own error): plain torch.compile"
+    WATCHED = "the watched first call ran: plain from now on unless dynamo fell back"
+    FELL_BACK = "dynamo ran a checkpointed region eager: re-planned around the break, applied next call"
+    APPLIED = "the plan learned from a fallback is applied"
+    APPLY_FAILED = "applying the learned plan failed (autoweave's own error): plain torch.compile"
+    COMPILED = "the woven regions ran their first call"
+    FULLGRAPH_BREAK = "fullgraph=True and a graph break outside the boundaries: plain torch.compile"
+    RELEASED = "compiled again in place: the newer dispatcher takes over"
+
+
+# The moves a dispatcher may make, in one place. Planning (at the first call, or
+# when the tree changed) may start from any state: it is the ``_decide`` path.
+_DECIDED = frozenset({State.PLAIN, State.WATCHING, State.TRIAL})
+_TRANSITIONS: dict[State, frozenset[State]] = {
+    State.UNPLANNED: _DECIDED,
+    State.PLAIN: _DECIDED | {State.LEARNED},  # LEARNED: the watched call (now PLAIN) fell back
+    State.WATCHING: _DECIDED | {State.PLAIN},
+    State.LEARNED: _DECIDED | {State.PLAIN},  # TRIAL or PLAIN: the learned plan applied, or failed
+    State.TRIAL: _DECIDED | {State.WOVEN, State.LEARNED, State.GIVEN_UP},
+    State.WOVEN: _DECIDED,
+    State.GIVEN_UP: _DECIDED,
+}
+
+
 class _Dispatcher:
     """Stands in for a compiled forward until the first call, then runs the plan.
+
+    Its life is one ``State``; ``_enter`` is the only writer of ``state`` and
+    runs under ``_lock``, checking the move against ``_TRANSITIONS``. The call
+    path reads ``state`` once per call without the lock (one attribute read)
+    and acts on what it read; anything that changes the state takes the lock
+    and looks again.
 
     The per-call cost does not grow with the model: the module tree is re-read
     only when ``_state.run.generation`` moved since the last look (a submodule was
@@ -85,19 +146,18 @@ class _Dispatcher:
     ) -> None:
         self.target = target  # the module handed to compile (an AC wrapper, a block)
         self.compile_kwargs = compile_kwargs
+        self.state = State.UNPLANNED
+        self.history: list[tuple[State, Why]] = []  # each move, for the debug log and tests
+        self.plan: planner.Plan | None = None  # what runs (PLAIN/WATCHING/TRIAL/WOVEN/GIVEN_UP)
+        self._pending: planner.Plan | None = None  # LEARNED: the plan for the next call
+        self._applied: apply.Applied | None = None  # TRIAL/WOVEN: what the plan installed
         self._make_plain = plain
         self._plain: Callable[..., Any] | None = None
         self._eager = eager
         self._lock = threading.RLock()
         self._generation = -1  # _state.run.generation when the tree was last read
         self._fingerprint: tuple | None = None
-        self._applied: apply.Applied | None = None
-        self._trial = False  # the woven regions have not run yet: their compile may still fail
-        self.fell_back = False  # fullgraph=True met a break autoweave does not compile around: plain torch
-        self._watch_first_call = False
-        self._pending: planner.Plan | None = None
         self._called = False
-        self.plan: planner.Plan | None = None
         self.outer: Callable[[], nn.Module | None] | None = None  # weakref to an enclosing AC wrapper
         self.skip_outer_checkpoint = False  # the enclosing wrapper's AC moved into the regions
         self._call_traced = True  # torch.compile(module) traces __call__; in-place compile does not
@@ -106,12 +166,26 @@ class _Dispatcher:
         self.call = self._make_call()  # what torch's compiled forward slot holds: see _make_call
         _run.live.add(self)
 
+    def _enter(self, state: State, why: Why) -> None:
+        """Move to ``state`` for ``why``: the one place the state changes (holding ``_lock``)."""
+        with self._lock:
+            if state not in _TRANSITIONS[self.state]:
+                message = f"dispatcher of {type(self.target).__name__}: {self.state.value} -> {state.value}"
+                if _strict():
+                    raise AutoweaveError(f"autoweave: a move its state machine does not allow: {message}")
+                logger.debug("unexpected move: %s (%s)", message, why.value)
+            logger.debug(
+                "%s: %s -> %s: %s", type(self.target).__name__, self.state.value, state.value, why.value
+            )
+            self.state = state
+            self.history.append((state, why))
+
     # How the dispatcher is put in place -------------------------------------------------
 
     @classmethod
     def attach_to_optimized(cls, optimized: nn.Module, compile_kwargs: dict[str, Any]) -> None:
         plain_forward = optimized.forward
-        target = optimized._orig_mod
+        target = _compat.compiled_inner(optimized)
         dispatcher = cls(target, compile_kwargs, lambda: plain_forward, target.__call__)
         optimized.forward = dispatcher.call
         _instances.attach(optimized, dispatcher)
@@ -124,12 +198,12 @@ class _Dispatcher:
     ) -> None:
         previous = _instances.dispatcher_of(module)
         if previous is not None:
-            previous.release()  # compiled twice (pipeline stages do): one layer only
+            previous.retire()  # compiled twice (pipeline stages do): one layer only
         dispatcher = cls(module, compile_kwargs, lambda: plain, module._call_impl)
         dispatcher._call_traced = False
         # nn.Module drops _compiled_call_impl when pickled or copied, so a copy
         # is what plain torch makes: an uncompiled module.
-        module._compiled_call_impl = dispatcher.call
+        _compat.set_compiled_call(module, dispatcher.call)
         _instances.attach(module, dispatcher)
 
     # The call path ----------------------------------------------------------------------
@@ -140,11 +214,11 @@ class _Dispatcher:
 
     def ensure_decided(self) -> bool:
         """Plan (or re-plan, when the module tree changed) before running; True if it planned now."""
-        if self._generation == _run.generation and self._pending is None:
+        if self._generation == _run.generation and self.state is not State.LEARNED:
             return False
         with self._lock:
-            if self._pending is not None:
-                self._apply_pending()
+            if self.state is State.LEARNED:
+                self._apply_learned()
             generation = _run.generation
             if generation == self._generation:
                 return False
@@ -173,25 +247,31 @@ class _Dispatcher:
             if not dispatcher.ensure_decided() and dispatcher._called and _run.summary_pending:
                 summary.next_call(dispatcher)  # called again: every block has planned; log the one summary
             dispatcher._called = True
-            if dispatcher._applied is not None:
-                if dispatcher._trial:
-                    return dispatcher._first_woven_call(args, kwargs)
+            state = dispatcher.state
+            if state is State.WOVEN:
                 return dispatcher._eager(*args, **kwargs)
-            plain = dispatcher._plain
-            if plain is None:
+            if state is State.TRIAL:
+                return dispatcher._first_woven_call(args, kwargs)
+            if state is State.WATCHING:
                 with dispatcher._lock:
-                    if dispatcher._plain is None:
-                        dispatcher._plain = dispatcher._make_plain()
-                    plain = dispatcher._plain
-            if not dispatcher._watch_first_call:
-                return plain(*args, **kwargs)
-            with dispatcher._lock:
-                watching, dispatcher._watch_first_call = dispatcher._watch_first_call, False
-            if not watching:
-                return plain(*args, **kwargs)
-            return dispatcher._watched(plain, args, kwargs)
+                    watching = dispatcher.state is State.WATCHING
+                    if watching:  # one call is watched, whichever thread gets here first
+                        dispatcher._enter(State.PLAIN, Why.WATCHED)
+                if watching:
+                    return dispatcher._watched(dispatcher._plain_forward(), args, kwargs)
+            return dispatcher._plain_forward()(*args, **kwargs)
 
         return call
+
+    def _plain_forward(self) -> Callable[..., Any]:
+        """What plain torch.compile made of the target (built at its first use)."""
+        plain = self._plain
+        if plain is None:
+            with self._lock:
+                if self._plain is None:
+                    self._plain = self._make_plain()
+                plain = self._plain
+        return plain
 
     def _watched(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Run a first call listening for dynamo's AC fallback; on one, re-plan around the break."""
@@ -233,7 +313,9 @@ class _Dispatcher:
             self._check_fullgraph(seen, allowed)
         if failed.errors:
             self._on_failed_frames(failed)
-        self._trial = False
+        with self._lock:
+            if self.state is State.TRIAL:  # not LEARNED: a fallback in this call re-planned it
+                self._enter(State.WOVEN, Why.COMPILED)
         return out
 
     def _on_failed_frames(self, failed: FailedFrames) -> None:
@@ -245,15 +327,12 @@ class _Dispatcher:
             )
         if _strict():
             failed.compile_again()
-            raise AutoweaveError(
-                f"autoweave: dynamo could not compile {failed.describe()} of the woven regions of {name} "
-                "at their first call"
-            ) from failed.errors[0][0]
-        warn_each(
+        swallowed(
+            "region-eager",
             f"first-call:{id(self)}",
-            f"[region-eager] dynamo could not compile {failed.describe()} of the woven regions of {name} "
-            "at their first call; it runs eager from now on, the rest stays compiled. "
-            "Set AUTOWEAVE_STRICT=1 to raise, AUTOWEAVE_LOG_LEVEL=debug for the traceback.",
+            f"dynamo could not compile {failed.describe()} of the woven regions of {name} "
+            "at their first call; it runs eager from now on, the rest stays compiled",
+            failed.errors[0][0],
         )
 
     def _allowed_breaks(self) -> set[str] | None:
@@ -274,8 +353,10 @@ class _Dispatcher:
             return
         with self._lock:
             plan = self.plan
-            self.release()
-            self.fell_back = True  # plain fullgraph compile from now on: it raises at every call
+            self._release()
+            self._enter(
+                State.GIVEN_UP, Why.FULLGRAPH_BREAK
+            )  # plain fullgraph compile: it raises at every call
             if plan is not None:
                 self.plan = plan.plain_instead("fullgraph=True and a graph break outside the boundaries")
                 summary.record_plan(self, self.plan, plain_label=report.plain_label(self.target))
@@ -286,33 +367,46 @@ class _Dispatcher:
             + (f" (here: {', '.join(sorted(allowed))})" if allowed else "")
         )
 
+    # Deciding ---------------------------------------------------------------------------
+
     def _mode_and_strategy(self) -> tuple[str, str]:
         """The weave mode and AC strategy for this target: ``set_mode`` first, then the settings."""
         return _settings.mode_and_strategy(self.target)
 
     def _decide(self, fingerprint: tuple) -> None:
-        self.release()
-        self.fell_back = False
+        """Plan the target as it is now (the first call, or a changed tree) and enter what the plan says."""
+        why = Why.PLANNED if self._fingerprint is None and not self.history else Why.TREE_CHANGED
+        self._release()
+        self._fingerprint = fingerprint
+        if not _settings.current().enabled:
+            # disable() ran after this module was compiled: what plain torch.compile does.
+            self.plan = None
+            self._enter(State.PLAIN, Why.OFF)
+            return
         mode, strategy = self._mode_and_strategy()
         with guard(f"planning {type(self.target).__name__}") as failed:
-            self._apply(self._plan(**{"mode": mode, "strategy": strategy, **self._learned}))
+            self._apply(self._plan(**{"mode": mode, "strategy": strategy, **self._learned}), why)
         if failed:
+            self._release()
             self.plan = None
-            self._applied = None
+            self._enter(State.PLAIN, Why.PLANNING_FAILED)
+            return
+        if self.state is State.PLAIN and self._watches(mode):
+            self._enter(State.WATCHING, why)
+
+    def _watches(self, mode: str) -> bool:
         # Compiled plain, but a checkpoint is traced: any graph break under it
         # (a boundary whose checkpoint hides in code, a data-dependent op, a
         # print) would make dynamo run it eager. Watch the first call for
         # dynamo's fallback message and weave around the break if it appears.
-        self._watch_first_call = (
-            self._applied is None
-            and self.plan is not None
+        return (
+            self.plan is not None
             and mode == "auto"
             and (
                 bool(self.plan.boundaries)
                 or planner.traces_checkpoint(self.target, call_traced=self._call_traced)
             )
         )
-        self._fingerprint = fingerprint
 
     def _plan(self, **options: Any) -> planner.Plan:
         """The planner's answer for this target now: one call, whatever asks (first call or re-plan).
@@ -332,7 +426,8 @@ class _Dispatcher:
             **options,
         )
 
-    def _apply(self, plan: planner.Plan) -> None:
+    def _apply(self, plan: planner.Plan, why: Why) -> None:
+        """Install ``plan`` and enter TRIAL (it weaves) or PLAIN (it does not)."""
         self.plan = plan
         if plan.woven:
             _install_recompile_filter()
@@ -343,8 +438,8 @@ class _Dispatcher:
                 self.compile_kwargs,
                 instrument=report.instrument,
             )
-            self._trial = True
         self.skip_outer_checkpoint = plan.outer_push_down is not None and self._applied is not None
+        self._enter(State.TRIAL if self._applied is not None else State.PLAIN, why)
         logger.debug("%s: %s", plan.root_type, plan.headline())
         summary.record_plan(self, plan, plain_label=report.plain_label(self.target))
 
@@ -357,7 +452,7 @@ class _Dispatcher:
                 # No location from dynamo: the wrapped block breaks somewhere; hoist
                 # (or push-down) around it still compiles all but the break.
                 located = {
-                    id(target._checkpoint_wrapped_module): "a graph break inside (dynamo gave no location)"
+                    id(_compat.checkpoint_wrapped(target)): "a graph break inside (dynamo gave no location)"
                 }
             mode, strategy = self._mode_and_strategy()
             learned_breaks.learn(target, located)
@@ -377,6 +472,7 @@ class _Dispatcher:
             # Applied at the next call, not now: this call's backward will
             # recompute its checkpoints through the modules as they ran.
             self._pending = plan
+            self._enter(State.LEARNED, Why.FELL_BACK)
         # Blocks running the same code met the same break, silently (the
         # fallback is cached for the wrapper's code): each re-plans at its next call.
         for other in list(_run.live):
@@ -389,23 +485,31 @@ class _Dispatcher:
         with guard("clearing dynamo's cached fallback"):
             _forget_traced_code(self.target)
 
-    def _apply_pending(self) -> None:
-        with self._lock, guard(f"weaving {type(self.target).__name__}") as failed:
+    def _apply_learned(self) -> None:
+        with self._lock:
             plan, self._pending = self._pending, None
-            if plan is not None:
-                self.release()
-                self._apply(plan)
-        if failed:
-            self._applied = None
+            self._release()
+            with guard(f"weaving {type(self.target).__name__}") as failed:
+                if plan is not None:
+                    self._apply(plan, Why.APPLIED)
+            if failed or plan is None:
+                self._release()
+                self._enter(State.PLAIN, Why.APPLY_FAILED)
 
-    def release(self) -> None:
+    def _release(self) -> None:
         """Undo what the current plan installed (before a re-plan, or a fallback)."""
         with self._lock:
             if self._applied is not None:
                 self._applied.revert()
                 self._applied = None
-            self._trial = False
             self.skip_outer_checkpoint = False
+
+    def retire(self) -> None:
+        """The module was compiled again in place: undo this plan; the newer dispatcher takes over."""
+        with self._lock:
+            self._release()
+            self._pending = None
+            self._enter(State.PLAIN, Why.RELEASED)
 
 
 def _forget_traced_code(target: nn.Module) -> None:

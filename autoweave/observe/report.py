@@ -267,6 +267,8 @@ class _Stats:
                 ),  # autoweave/observe/graph_breaks.py
                 "recompile_limit_hits": list(self.limit_hits),
             },
+            # Failures of autoweave's own that failed open (slug -> count; _failopen.swallowed).
+            "swallowed": dict(sorted(run.swallowed.items())),
             "ac_fallbacks": {
                 "count": self.fallbacks.count,
                 # Seen at a first call, then compiled around from the next call on.
@@ -407,6 +409,13 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
         lines.append(f"    break x{count}: {reason}{site}")
     for hit in dyn["recompile_limit_hits"][:2]:
         lines.append(f"    limit: {hit[:100]}")
+    swallowed = data.get("swallowed") or {}
+    if swallowed:
+        lines.append(
+            f"  autoweave failed open {sum(swallowed.values())} time(s): "
+            + ", ".join(f"[{slug}] x{n}" for slug, n in swallowed.items())
+            + " (the warnings above say where; AUTOWEAVE_STRICT=1 raises instead)"
+        )
     around = fallbacks.get("woven_around", 0)
     if around:
         lines.append(

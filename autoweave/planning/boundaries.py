@@ -13,12 +13,13 @@ from typing import Any
 import torch.nn as nn
 
 from autoweave import _compat
+from autoweave._failopen import swallowed
 from autoweave._instances import PRIOR as PRIOR  # re-exported: the mark on installed forwards
 from autoweave._instances import users_own
 from autoweave._log import logger
 from autoweave.planning import tree_changes
 
-ENTRY_POINT_GROUP = "autoweave.planning.boundaries"
+ENTRY_POINT_GROUP = "autoweave.boundaries"  # a published entry-point group: never renamed with the module
 MARK = "_autoweave_boundary"
 
 Predicate = Callable[[nn.Module], "str | bool | None"]
@@ -69,7 +70,13 @@ def _load_entry_points() -> None:
         try:
             register_boundary(entry_point.load(), name=f"{entry_point.name} (plug-in)")
         except Exception as exc:
-            logger.warning("boundary plug-in %s failed to load: %s", entry_point.name, exc)
+            swallowed(
+                "boundary-plugin",
+                f"plugin:{entry_point.name}",
+                f"the boundary plug-in {entry_point.name!r} ({entry_point.value}) failed to load: "
+                f"{type(exc).__name__}: {exc}; planning goes on without it",
+                exc,
+            )
 
 
 def _hooks_disabled(module: nn.Module) -> bool:

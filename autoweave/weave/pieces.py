@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autoweave import _compat
-from autoweave._failopen import _strict, warn_each
+from autoweave._failopen import swallowed
 from autoweave._log import logger
 from autoweave._state import run
 
@@ -222,17 +222,15 @@ class CheckpointPieces:
                     type(exc).__name__,
                 )
                 return self.eager(gm)
-            if _strict():
-                raise
             # Never a crash plain torch would not have had, nor a checkpoint lost:
             # this piece runs eager under the user's checkpoint, as eager AC would.
             first = (str(exc).strip().splitlines() or [""])[0][:200]
-            logger.debug("checkpointing a compiled piece failed", exc_info=exc)
-            warn_each(
+            swallowed(
+                "piece-eager",
                 f"piece:{type(exc).__name__}:{first}",
-                f"[piece-eager] a piece of a woven region could not be compiled under its checkpoint "
-                f"({type(exc).__name__}: {first}); it runs eager under the same checkpoint. "
-                "Set AUTOWEAVE_STRICT=1 to raise, AUTOWEAVE_LOG_LEVEL=debug for the traceback.",
+                f"a piece of a woven region could not be compiled under its checkpoint "
+                f"({type(exc).__name__}: {first}); it runs eager under the same checkpoint",
+                exc,
             )
             return self.eager(gm)
         finally:
