@@ -212,6 +212,71 @@ def set_checkpoint_fn(wrapper: Any, fn: Any) -> None:
     setattr(wrapper, CHECKPOINT_FN, fn)
 
 
+def wrapped_child(module: Any) -> Any:
+    """The child a torch wrapper (CheckpointWrapper, FSDP1, OptimizedModule) wraps; None if not one."""
+    children = getattr(module, "_modules", None) or {}
+    return next((children[a] for a in WRAPPED_CHILD_ATTRS if a in children), None)
+
+
+def children_of(module: Any) -> dict[str, Any]:
+    """``module``'s registered children, the dict nn.Module keeps them in (no copy, no property run)."""
+    return module.__dict__.get("_modules", {})
+
+
+# nn.Module's own stores for children, parameters and buffers (read without running
+# ``__getattr__``): the same on every torch since 1.0.
+MODULE_STORES = ("_modules", "_parameters", "_buffers")
+
+
+def forward_hook_dicts(module: Any) -> tuple[dict[int, Any], dict[int, Any]]:
+    """``module``'s forward pre-hooks and forward hooks (nn.Module has no public way to list them)."""
+    return module._forward_pre_hooks, module._forward_hooks
+
+
+def call_impl(module: Any) -> Any:
+    """``module._call_impl``, what ``nn.Module.compile`` compiles (torch 2.2+)."""
+    return module._call_impl
+
+
+def dynamo_counters() -> dict[str, Any]:
+    """dynamo's process-wide counters (``stats``, ``graph_break``...); {} when they moved."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # pragma: no cover - private counters moved
+        return {}
+    return counters
+
+
+def lookup_backend(backend: Any) -> Any:
+    """A backend by name, as torch.compile resolves it (``aot_eager`` -> its callable)."""
+    from torch._dynamo.backends.registry import lookup_backend as lookup
+
+    return lookup(backend)
+
+
+def trace_structured(name: str, payload: Any) -> None:
+    """One JSON artifact in TORCH_TRACE's structured log (tlparse shows it)."""
+    import torch._logging
+
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "json"},
+        payload_fn=lambda: payload,
+        # Plans are made outside any compile: no stack dump for a missing compile id.
+        expect_trace_id=False,
+    )
+
+
+CHECKPOINT_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+
+
+def checkpoint_wrapper_module() -> Any:
+    """The module that defines ``checkpoint_wrapper`` (a private package path, torch 1.12 to today)."""
+    import importlib
+
+    return importlib.import_module(CHECKPOINT_WRAPPER_MODULE)
+
+
 def dynamo_disabled(fn: Any) -> bool:
     """True when ``fn`` was wrapped by ``torch.compiler.disable``/``torch._dynamo.disable``."""
     seen = 0

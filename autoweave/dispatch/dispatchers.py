@@ -10,7 +10,6 @@ decision is re-made if the module tree under the target changes later.
 from __future__ import annotations
 
 import enum
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -18,15 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from autoweave import _compat, _instances, _settings
-from autoweave._failopen import (
-    AutoweaveError,
-    FailedFrames,
-    _strict,
-    frames_fail_open,
-    guard,
-    swallowed,
-    warn_each,
-)
+from autoweave._failopen import AutoweaveError, FailedFrames, _strict, frames_fail_open, guard, swallowed
 from autoweave._log import logger
 from autoweave._state import run as _run
 from autoweave.observe import counting, graph_breaks, report, summary
@@ -42,31 +33,6 @@ def _compile_function(*args: Any, **kwargs: Any) -> Any:
 
 
 # -- the deferred decision ----------------------------------------------------------------
-
-
-class _RecompileLimitFilter(logging.Filter):
-    """Turns dynamo's recompile-limit warning for a woven region into an autoweave warning."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if counting.RECOMPILE_LIMIT_NEEDLE in message and "autoweave_" in message:
-            where = message.splitlines()[1].strip() if "\n" in message else message
-            warn_each(
-                f"recompile-limit:{where}",
-                f"[recompile-limit] a woven region hit dynamo's recompile limit and now runs eager: {where}. "
-                "TORCH_LOGS=recompiles says which guard failed each time",
-            )
-        return True
-
-
-_recompile_filter_installed = False
-
-
-def _install_recompile_filter() -> None:
-    global _recompile_filter_installed
-    if not _recompile_filter_installed:
-        _recompile_filter_installed = True
-        logging.getLogger(counting.RECOMPILE_LIMIT_LOGGER).addFilter(_RecompileLimitFilter())
 
 
 def _fingerprint(target: nn.Module) -> tuple:
@@ -199,7 +165,7 @@ class _Dispatcher:
         previous = _instances.dispatcher_of(module)
         if previous is not None:
             previous.retire()  # compiled twice (pipeline stages do): one layer only
-        dispatcher = cls(module, compile_kwargs, lambda: plain, module._call_impl)
+        dispatcher = cls(module, compile_kwargs, lambda: plain, _compat.call_impl(module))
         dispatcher._call_traced = False
         # nn.Module drops _compiled_call_impl when pickled or copied, so a copy
         # is what plain torch makes: an uncompiled module.
@@ -430,7 +396,7 @@ class _Dispatcher:
         """Install ``plan`` and enter TRIAL (it weaves) or PLAIN (it does not)."""
         self.plan = plan
         if plan.woven:
-            _install_recompile_filter()
+            counting.warn_on_recompile_limit()
             self._applied = apply.apply_plan(
                 planner.unwrap(self.target),
                 plan,
@@ -528,7 +494,7 @@ def _forget_traced_code(target: nn.Module) -> None:
 def _rebuild_copy(original: nn.Module, duplicate: nn.Module) -> None:
     """``copy.deepcopy`` of a compiled module: the copy gets a dispatcher of its own."""
     dispatcher = _instances.dispatcher_of(original)
-    if dispatcher is None or not hasattr(duplicate, "_orig_mod"):
+    if dispatcher is None or not hasattr(duplicate, _compat.COMPILED_INNER):
         return
     with guard(f"weaving a copy of {type(dispatcher.target).__name__}"):
         _Dispatcher.attach_to_optimized(duplicate, dict(dispatcher.compile_kwargs))

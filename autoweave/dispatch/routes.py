@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _instances
+from autoweave import _compat, _instances
 from autoweave._failopen import guard
 from autoweave._log import logger
 from autoweave.dispatch.dispatchers import _compile_function, _Dispatcher
@@ -67,11 +67,11 @@ def route_module_compile(wrapped: Callable[..., Any], instance: Any, args: tuple
     _make_decorated_checkpoints_traceable(instance)
     # What nn.Module.compile does, done now and outside any guard: torch's
     # errors (a bad backend, conflicting options) raise at .compile(), as without us.
-    plain = _compile_function(instance._call_impl, **report.plain_kwargs(instance, compile_kwargs))
+    plain = _compile_function(_compat.call_impl(instance), **report.plain_kwargs(instance, compile_kwargs))
     with guard(f"preparing the weave for {type(instance).__name__}") as failed:
         _Dispatcher.attach_in_place(instance, compile_kwargs, plain)
     if failed:
-        instance._compiled_call_impl = plain
+        _compat.set_compiled_call(instance, plain)
     return None
 
 
@@ -112,7 +112,7 @@ def _gate_outer_ac(dispatcher: _Dispatcher, wrapper: nn.Module) -> None:
         wrapper = wrapper_ref()
         dispatcher.ensure_decided()
         if dispatcher.skip_outer_checkpoint:
-            return wrapper._checkpoint_wrapped_module(*args, **kwargs)
+            return _compat.checkpoint_wrapped(wrapper)(*args, **kwargs)
         return wrapper_forward(wrapper, *args, **kwargs)
 
     _instances.install_forward(wrapper, forward)

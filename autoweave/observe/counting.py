@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # dynamo's log signals, named where every private torch name is (``_compat``).
+from autoweave import _compat
 from autoweave._compat import (  # noqa: F401 - re-exported for the runtime, report and tests
     FALLBACK_LOGGER,
     FALLBACK_NEEDLE,
@@ -46,9 +47,7 @@ class Capture:
 
     def backend(self, inner: str | Callable[..., Any] = "aot_eager") -> Callable[..., Any]:
         """A dynamo backend that records each graph, then compiles it with ``inner``."""
-        from torch._dynamo.backends.registry import lookup_backend
-
-        compile_inner = lookup_backend(inner) if isinstance(inner, str) else inner
+        compile_inner = _compat.lookup_backend(inner) if isinstance(inner, str) else inner
 
         def counting(gm: Any, example_inputs: Any) -> Any:
             # Higher-order ops (the checkpoint of a traced AC region) keep their

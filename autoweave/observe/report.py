@@ -191,25 +191,16 @@ class _Stats:
         """Did this process compile, plan or see a fallback? If not, it has nothing to report."""
         if self.compiles or self.regions or self.fallbacks.count or summary.entries():
             return True
-        try:
-            from torch._dynamo.utils import counters
-
-            return bool(counters.get("stats", {}).get("unique_graphs"))
-        except Exception:  # pragma: no cover - private counters moved
-            return False
+        return bool(_compat.dynamo_counters().get("stats", {}).get("unique_graphs"))
 
     def snapshot(self) -> dict[str, Any]:
         import torch
 
         from autoweave import _settings, _version
 
-        try:
-            from torch._dynamo.utils import counters
-
-            stats = dict(counters.get("stats", {}))
-            breaks = Counter(dict(counters.get("graph_break", {})))
-        except Exception:  # pragma: no cover - private counters moved
-            stats, breaks = {}, Counter()
+        counters = _compat.dynamo_counters()
+        stats = dict(counters.get("stats", {}))
+        breaks = Counter(dict(counters.get("graph_break", {})))
         # A plain compile whose module was re-planned woven after its first call
         # ran once: reported, but not as live and not in the totals.
         replaced = {e.plain_label for e in summary.entries() if e.plan.woven and e.plain_label}

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from autoweave import _compat
 from autoweave._instances import dispatcher_of
 from autoweave._log import SUMMARY, logger, rank
 from autoweave._state import run
 from autoweave.planning import sources
 from autoweave.planning.planner import Action, Plan
 
-_WRAPPER_SEGMENTS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)(?=\.|$)")
-_WRAPPER_ATTRS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+_WRAPPER_SEGMENTS = re.compile(r"(^|\.)(" + "|".join(_compat.WRAPPED_CHILD_ATTRS) + r")(?=\.|$)")
 
 _VERBS = {
     Action.PLAIN: "plain torch.compile",
@@ -161,13 +161,10 @@ def format_summary(entries: list[Entry]) -> str:
 def inner_type(module: Any) -> str:
     """The user's module type under compile / checkpoint / FSDP1 wrappers."""
     for _ in range(8):
-        for attr in _WRAPPER_ATTRS:
-            inner = getattr(module, "_modules", {}).get(attr)
-            if inner is not None:
-                module = inner
-                break
-        else:
+        inner = _compat.wrapped_child(module)
+        if inner is None:
             break
+        module = inner
     return type(module).__name__
 
 

@@ -21,6 +21,7 @@ import re
 import threading
 from typing import Any
 
+from autoweave import _compat
 from autoweave._log import logger
 from autoweave._state import run
 from autoweave.observe import summary
@@ -138,12 +139,4 @@ def _install_callback() -> None:
 
 
 def _emit(name: str, payload: dict[str, Any]) -> None:
-    import torch._logging
-
-    torch._logging.trace_structured(
-        "artifact",
-        metadata_fn=lambda: {"name": name, "encoding": "json"},
-        payload_fn=lambda: payload,
-        # Plans are made outside any compile: no stack dump for a missing compile id.
-        expect_trace_id=False,
-    )
+    _compat.trace_structured(name, payload)

@@ -80,7 +80,7 @@ def _load_entry_points() -> None:
 
 
 def _hooks_disabled(module: nn.Module) -> bool:
-    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+    for hooks in _compat.forward_hook_dicts(module):
         for hook in hooks.values():
             if _compat.dynamo_disabled(hook):
                 return True

@@ -23,6 +23,8 @@ import sys
 import types
 from typing import Any
 
+from autoweave import _compat
+
 _CHECKPOINT_FUNCTIONS = frozenset({"checkpoint", "checkpoint_sequential"})
 _LOADS_FROM = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FAST", "LOAD_FAST_CHECK"}
 _ATTRIBUTE_LOADS = {"LOAD_ATTR", "LOAD_METHOD"}
@@ -63,7 +65,7 @@ def _instance_attribute(owner: Any, name: str) -> Any:
     found = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
     if found is not _MISSING:
         return found
-    for store in ("_modules", "_parameters", "_buffers"):
+    for store in _compat.MODULE_STORES:
         found = owner.__dict__.get(store, {}).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
         if found is not _MISSING:
             return found

@@ -189,11 +189,11 @@ def identity(value: Any) -> Any:
 
 def kind(wrapper: Any) -> tuple | None:
     """Blocks of one kind hold the same for backward: same code, parameter shapes and checkpoint."""
-    inner = getattr(wrapper, "_modules", {}).get("_checkpoint_wrapped_module")
+    inner = _compat.children_of(wrapper).get(_compat.CHECKPOINT_WRAPPED)
     if inner is None:
         return None
     shapes = tuple((name, tuple(p.shape), p.dtype) for name, p in inner.named_parameters())
-    return (type(inner), shapes, identity(getattr(wrapper, "checkpoint_fn", None)))
+    return (type(inner), shapes, identity(_compat.checkpoint_fn(wrapper)))
 
 
 def learn(wrapper: Any, verdict: Verdict) -> None:

@@ -154,7 +154,7 @@ def unwrap(module: nn.Module) -> nn.Module:
     except _compat.UnsupportedTorch:
         return module
     while isinstance(module, optimized):
-        module = module._orig_mod
+        module = _compat.compiled_inner(module)
     return module
 
 
@@ -411,8 +411,8 @@ class _Planner:
         opaque: bool,
         unit: str | None = None,
     ) -> None:
-        inner_path = f"{path}._checkpoint_wrapped_module" if path else "_checkpoint_wrapped_module"
-        inner = module._checkpoint_wrapped_module
+        inner_path = f"{path}.{_compat.CHECKPOINT_WRAPPED}" if path else _compat.CHECKPOINT_WRAPPED
+        inner = _compat.checkpoint_wrapped(module)
         where = "kept out of the enclosing region, " if opaque else ""
         if unit is not None:
             where = f"{unit}, hooks eager; {where}"

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from autoweave import _compat
+
 
 @dataclass(frozen=True)
 class Source:
@@ -58,15 +60,7 @@ def _code_of(fn: Any) -> Any:
 def _user_module(module: Any) -> Any:
     # Look through torch's wrappers (checkpoint, FSDP1, compile) to the user's module.
     for _ in range(8):
-        modules = getattr(module, "_modules", {})
-        inner = next(
-            (
-                modules[a]
-                for a in ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
-                if a in modules
-            ),
-            None,
-        )
+        inner = _compat.wrapped_child(module)
         if inner is None:
             return module
         module = inner
@@ -130,7 +124,7 @@ def _user_parent(root: Any, path: str) -> tuple[Any, str] | None:
     parts = path.split(".")
     for cut in range(len(parts) - 1, -1, -1):
         name = parts[cut]
-        if name in ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"):
+        if name in _compat.WRAPPED_CHILD_ATTRS:
             continue
         parent = root.get_submodule(".".join(parts[:cut])) if cut else root
         return parent, name

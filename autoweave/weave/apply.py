@@ -154,7 +154,7 @@ class Applied:
 
 
 def _without_checkpoint(wrapper: nn.Module) -> Callable[..., Any]:
-    inner = wrapper._checkpoint_wrapped_module
+    inner = _compat.checkpoint_wrapped(wrapper)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         return inner(*args, **kwargs)
@@ -247,7 +247,7 @@ def _measuring_first_call(
 
     def done(verdict: memory.Verdict | None) -> None:
         # Said under the block's own region (the inner module), else under the first piece's.
-        inner = applied.regions.get(f"{decision.path}._checkpoint_wrapped_module".lstrip("."))
+        inner = applied.regions.get(f"{decision.path}.{_compat.CHECKPOINT_WRAPPED}".lstrip("."))
         backend = next((p for p in pieces if p.label == inner), pieces[0] if pieces else None)
         if backend is not None:
             if verdict is None:
