@@ -110,7 +110,7 @@ def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]
         (name, type(t).__name__, tuple(t.shape), t.dtype)
         for name, t in (*module.named_parameters(), *module.named_buffers())
     )
-    structure = tuple((name, type(m)) for name, m in module.named_modules())
+    structure = tuple((name, type(m), _constants_read(m)) for name, m in module.named_modules())
     spec = decision.checkpoint
     checkpoint = (
         None
@@ -129,6 +129,42 @@ def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]
         checkpoint,
         memory.identity(compile_kwargs),
     )
+
+
+# Numbers, strings and flags on a module that its forward reads: dynamo specializes
+# on them (a guard ``self.layer_idx == 3``), so modules that differ in one cannot
+# share a graph. Sharing their code anyway only stacks their graphs in one cache,
+# where transformers' decoder layers (``layer_idx`` picks a cache slot, whose
+# state the recompute sees changed) ran past dynamo's recompile limit: the
+# recompute of a compiled forward then ran eager and the checkpoint failed.
+_CONSTANT_TYPES = (bool, int, float, str, type(None))
+
+
+def _constants_read(module: nn.Module) -> tuple:
+    read = _attributes_read(type(module))
+    return tuple(
+        sorted(
+            (name, value)
+            for name, value in vars(module).items()
+            if name in read and not name.startswith("_") and type(value) in _CONSTANT_TYPES
+        )
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def _attributes_read(cls: type) -> frozenset[str]:
+    """Attribute names the class's forward loads (through decorators' ``__wrapped__``)."""
+    import dis
+
+    names: set[str] = set()
+    fn = getattr(cls, "forward", None)
+    for _ in range(8):
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            break
+        names.update(i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_ATTR", "LOAD_METHOD"))
+        fn = getattr(fn, "__wrapped__", None)
+    return frozenset(n for n in names if isinstance(n, str))
 
 
 def _label(path: str, module: nn.Module) -> str:
@@ -208,7 +244,7 @@ def _region_forward(
         _pieces_of_region(backend, label, pieces)
         _shared[key] = (
             compile_fn(
-                on_own_code(type(module).forward, label)
+                on_own_code(type(module).forward, label, through_wrappers=True)
                 if decision.splits and checkpoint_fn is None and _user_code(type(module).forward)
                 else _shared_region(type(module).forward, checkpoint_fn, label),
                 **_failing_open(instrument(kwargs, label), label),
