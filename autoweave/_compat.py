@@ -2,7 +2,18 @@
 
 torch moves private names between releases; every one autoweave touches is
 resolved here so an unsupported torch gives one clear message instead of a
-traceback deep inside a patch.
+traceback deep inside a patch (tests/unit/test_layers.py keeps them here).
+
+What would make most of this module unnecessary upstream:
+
+- a graph break inside a checkpointed region makes dynamo run the whole region
+  eager: pytorch/pytorch#139989 (PR #193143, open when last looked at,
+  proposes compiling ``ac(compile(f))`` instead; reviewers note it does not
+  hold for selective AC);
+- FSDP2's hooks are ``torch._dynamo.disable``d unconditionally since
+  pytorch/pytorch PR #174863; custom-op hooks that dynamo could keep in the graph were tried in
+  PR #181924 (closed);
+- ``backend="eager"`` ignores a traced checkpoint: pytorch/pytorch#160773.
 """
 
 from __future__ import annotations
@@ -165,11 +176,11 @@ def fsdp1_module() -> type | None:
 
 
 # -- private attributes of torch's wrapper modules ---------------------------------------
-# The same names on every torch in TESTED_TORCH. None has a public accessor upstream;
-# each would become unnecessary with one (listed per name).
+# The same names on every torch in TESTED_TORCH (2.11-2.15), and long before. None has a
+# public accessor upstream, and no upstream issue asks for one that we found: each would
+# become unnecessary with a public accessor; self_check probes them on a newer torch.
 
-# OptimizedModule (torch/_dynamo/eval_frame.py): the module torch.compile wrapped. No public
-# accessor (torch._dynamo docs name ``_orig_mod`` as the way; pytorch/pytorch#101107).
+# OptimizedModule (torch/_dynamo/eval_frame.py): the module torch.compile wrapped.
 COMPILED_INNER = "_orig_mod"
 # nn.Module.compile stores its compiled ``_call_impl`` here (torch 2.2+; torch/nn/modules/module.py).
 COMPILED_CALL = "_compiled_call_impl"

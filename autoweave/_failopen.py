@@ -33,20 +33,24 @@ def _strict() -> bool:
     return _settings.current().strict
 
 
-def swallowed(slug: str, key: str, message: str, exc: BaseException) -> None:
+def swallowed(slug: str, key: str, message: str, exc: BaseException, *, quiet: bool = False) -> None:
     """The one fail-open policy: count what was swallowed, say it once per ``key``, or raise (strict).
 
     Every place autoweave degrades instead of failing (``guard``, a graph, a
     piece, a first call's frames) comes here: the count per slug goes into the
     report; the traceback goes to the logger at debug level; stderr gets one
     warning per key with its slug (README lists them); ``AUTOWEAVE_STRICT=1``
-    raises ``AutoweaveError`` from the original instead.
+    raises ``AutoweaveError`` from the original instead. ``quiet``: counted and
+    logged, not written to stderr (what fails is only an observation: the plan
+    summary, the structured trace, a graph-break place).
     """
     with _lock:
         run.swallowed[slug] = run.swallowed.get(slug, 0) + 1
     if _strict():
         raise AutoweaveError(f"autoweave [{slug}]: {message}") from exc
     logger.debug("[%s] %s", slug, message, exc_info=exc)
+    if quiet:
+        return
     warn_each(
         key,
         f"[{slug}] {message}. Set AUTOWEAVE_STRICT=1 to raise, AUTOWEAVE_LOG_LEVEL=debug for the traceback.",
@@ -54,7 +58,9 @@ def swallowed(slug: str, key: str, message: str, exc: BaseException) -> None:
 
 
 @contextmanager
-def guard(what: str, *, fallback: str = "running as plain torch would") -> Iterator[list[BaseException]]:
+def guard(
+    what: str, *, fallback: str = "running as plain torch would", quiet: bool = False
+) -> Iterator[list[BaseException]]:
     """Run a block; on failure record it, warn once, and let the caller fall back.
 
     Yields a list that holds the exception when one was swallowed, so the caller
@@ -71,6 +77,7 @@ def guard(what: str, *, fallback: str = "running as plain torch would") -> Itera
             "internal-error",
             f"failed while {what}: {type(exc).__name__}: {exc}; {fallback}",
             exc,
+            quiet=quiet,
         )
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoweave import _compat
+from autoweave._failopen import guard
 from autoweave._instances import dispatcher_of
 from autoweave._log import SUMMARY, logger, rank
 from autoweave._state import run
@@ -232,18 +233,15 @@ def record_plan(dispatcher: Any, plan: Plan, *, plain_label: str | None = None) 
 
     ``plain_label`` is the name the report counts the plain compile under.
     """
-    try:
+    with guard(f"recording the plan of {type(dispatcher.target).__name__}", quiet=True) as failed:
         entry = _record(dispatcher, plan, plain_label, sys._getframe(1))
-    except Exception:
-        logger.debug("could not record the plan of %s", type(dispatcher.target).__name__, exc_info=True)
+    if failed:
         return None
     with _lock:
         listeners = list(_listeners)
     for listener in listeners:
-        try:
+        with guard(f"telling a plan listener about {entry.shown}", quiet=True):
             listener(entry)
-        except Exception:
-            logger.debug("a plan listener failed on %s", entry.shown, exc_info=True)
     return entry
 
 
@@ -269,10 +267,8 @@ def _record(dispatcher: Any, plan: Plan, plain_label: str | None, caller: Any) -
 
 def next_call(dispatcher: Any) -> None:
     """An already planned module is called again: every block has planned; log the summary."""
-    try:
+    with guard("logging the plan summary", quiet=True):
         flush()
-    except Exception:
-        logger.debug("could not log the plan summary", exc_info=True)
 
 
 def waiting() -> bool:
