@@ -382,6 +382,14 @@ class BackendWrapper:
         if reset is not None:
             reset()
 
+    @property
+    def _dynamo_backend_init(self) -> Any:
+        # torch 2.15+: a backend's no-argument set-up hook, which dynamo reads off the
+        # backend at torch.compile() (``getattr(backend, "_dynamo_backend_init", None)``);
+        # torch's own wrapper forwards it the same way. Hidden, a wrapped backend would
+        # skip its set-up whenever autoweave (or its report) wraps it.
+        return getattr(self.inner, "_dynamo_backend_init", None)
+
 
 def wrap_backend(kwargs: dict[str, Any], wrap: Any) -> dict[str, Any]:
     """``torch.compile`` kwargs whose backend is ``wrap(the callable torch would build)``.

@@ -140,10 +140,6 @@ class GraphGuard(_compat.BackendWrapper):
             )
             return gm.forward
 
-    @property
-    def _dynamo_backend_init(self) -> Any:  # torch 2.15: a backend's set-up hook, run at torch.compile()
-        return getattr(self.inner, "_dynamo_backend_init", None)
-
 
 class FailedFrames:
     """The frames dynamo could not convert during a first call, each run eager instead."""
