@@ -55,7 +55,16 @@ def enable() -> bool:
 
 
 def disable() -> None:
-    """Turn autoweave off: remove the import hooks and restore torch's originals exactly."""
+    """Turn autoweave off: undo every install of :func:`enable`, newest first.
+
+    torch's functions, the import hooks, logging (levels, handlers, filters,
+    level names), dynamo's callbacks and the exit hook end as they were before
+    ``enable()``; what exit would have done is done now (the pending plan
+    summary, the ``AUTOWEAVE_REPORT`` report). Modules compiled meanwhile: one
+    not yet called runs what plain ``torch.compile`` would; one already woven
+    keeps its plan; a ``checkpoint_wrapper`` around a compiled block that has
+    not woven is plain torch's wrapper again.
+    """
     from autoweave._settings import Settings
 
     startup.uninstall()

@@ -11,8 +11,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from autoweave import _installs
 
 logger = logging.getLogger("autoweave")
+# A library's logger carries a NullHandler from import on (the logging HOWTO's advice):
+# the one logging change made at import, on autoweave's own logger.
 logger.addHandler(logging.NullHandler())
 
 # The name ``TORCH_LOGS`` knows this logger by (see ``_torchlogs``).
@@ -20,8 +27,8 @@ ALIAS = "autoweave"
 TORCH_LOGS = "TORCH_LOGS"
 
 # Between INFO and WARNING: the one plan summary autoweave shows by default (rank 0).
+# logging knows it by name only while autoweave is installed (``name_summary_level``).
 SUMMARY = 25
-logging.addLevelName(SUMMARY, "SUMMARY")
 
 _handler: logging.Handler | None = None
 FORMAT = "[autoweave rank%(autoweave_rank)s] %(levelname)s %(message)s"
@@ -112,13 +119,143 @@ class _StderrHandler(logging.StreamHandler):
         super().handleError(record)
 
 
+class LoggerEdit:
+    """autoweave's changes to one logger, each undone only while it is still as autoweave left it.
+
+    ``undo()`` takes them back newest first: a level or propagation flag set
+    back only if nobody set another since, a handler or filter of autoweave's
+    removed (nobody else's), a handler autoweave took off put back where it was.
+    """
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+        self._undos: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def _push(self, undo: Callable[[], None]) -> None:
+        with self._lock:
+            self._undos.append(undo)
+
+    def set_level(self, level: int | str) -> None:
+        log = self.log
+        before = log.level
+        log.setLevel(level)
+        after = log.level
+        if after != before:
+            self._push(lambda: log.setLevel(before) if log.level == after else None)
+
+    def set_propagate(self, value: bool) -> None:
+        log = self.log
+        before = log.propagate
+        log.propagate = value
+        if value != before:
+
+            def undo() -> None:
+                if log.propagate == value:
+                    log.propagate = before
+
+            self._push(undo)
+
+    def add_handler(self, handler: logging.Handler) -> None:
+        if handler not in self.log.handlers:
+            self.log.addHandler(handler)
+            self._push(lambda: self.log.removeHandler(handler))
+
+    def remove_handler(self, handler: logging.Handler) -> None:
+        log = self.log
+        if handler not in log.handlers:
+            return
+        index = log.handlers.index(handler)
+        log.removeHandler(handler)
+
+        def undo() -> None:
+            if handler not in log.handlers:
+                log.handlers.insert(min(index, len(log.handlers)), handler)
+
+        self._push(undo)
+
+    def add_filter(self, log_filter: Any) -> None:
+        if log_filter not in self.log.filters:
+            self.log.addFilter(log_filter)
+            self._push(lambda: self.log.removeFilter(log_filter))
+
+    def undo_with(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` too when this edit is undone (a module forgetting what it attached)."""
+        self._push(undo)
+
+    def undo(self) -> None:
+        with self._lock:
+            undos, self._undos = self._undos, []
+        for step in reversed(undos):
+            step()
+
+
+_edits: dict[str, LoggerEdit] = {}
+_edits_lock = threading.Lock()
+
+
+def edit(name: str = "autoweave") -> LoggerEdit:
+    """Where autoweave changes logger ``name`` for as long as it is installed (undone at ``disable()``).
+
+    One edit per logger between installs, registered with ``_installs`` when
+    first asked for: its changes are undone together, newest first.
+    """
+    with _edits_lock:
+        current = _edits.get(name)
+        if current is not None:
+            return current
+        current = _edits[name] = LoggerEdit(logging.getLogger(name))
+
+    def undo() -> None:
+        with _edits_lock:
+            if _edits.get(name) is current:
+                del _edits[name]
+        current.undo()
+
+    _installs.install(f"logger {name!r}: autoweave's changes", lambda: undo)
+    return current
+
+
+def name_summary_level() -> None:
+    """logging knows level 25 as ``SUMMARY`` (its records say so) while autoweave is installed."""
+    _installs.install("logging level name SUMMARY", _add_level_name)
+
+
+def _add_level_name() -> Callable[[], None]:
+    # logging has no way to forget a level name but its two tables (stable since 2.x).
+    tables = ((logging._levelToName, SUMMARY), (logging._nameToLevel, "SUMMARY"))
+    before = [(table, key, table.get(key)) for table, key in tables]  # type: ignore[attr-defined]
+    logging.addLevelName(SUMMARY, "SUMMARY")
+
+    def undo() -> None:
+        if logging.getLevelName(SUMMARY) != "SUMMARY":
+            return  # someone named it since: theirs stays
+        for table, key, value in before:
+            if value is None:
+                table.pop(key, None)  # type: ignore[attr-defined]
+            else:
+                table[key] = value  # type: ignore[index]
+
+    return undo
+
+
 def _attach(level: int | str) -> None:
     global _handler
+    name_summary_level()
+    own = edit()
     if _handler is None:
-        _handler = _StderrHandler()
-        _handler.setFormatter(logging.Formatter(FORMAT))
-        logger.addHandler(_handler)
-    logger.setLevel(level)
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter(FORMAT))
+        own.add_handler(handler)
+        _handler = handler
+
+        def forget() -> None:
+            global _handler
+            if _handler is handler:
+                _handler = None
+
+        own.undo_with(forget)
+    own.set_level(level)
 
 
 def configure(level: str | None) -> None:
@@ -135,13 +272,14 @@ def configure_default() -> None:
     configured logging itself (the root logger has handlers), only the level is
     set, so the summary goes through the application's handlers, once.
     """
+    name_summary_level()
     if _handler is not None or rank() != 0:
         return
     if requested_level() is not None:  # TORCH_LOGS names autoweave: torch's switch decides
         return
     if logger.level == logging.NOTSET or logger.level > SUMMARY:
         if logging.getLogger().handlers:
-            logger.setLevel(SUMMARY)
+            edit().set_level(SUMMARY)
         else:
             _attach(SUMMARY)
 

@@ -8,11 +8,12 @@ import _thread
 import os
 import sys
 
-from _autoweave_start import CHECKPOINT_WRAPPER_MODULE, TORCH, _warn
-from autoweave import _importhook, _settings
+from _autoweave_start import CHECKPOINT_WRAPPER_MODULE, ON_IMPORT, TORCH, _warn
+from autoweave import _importhook, _installs, _settings
 from autoweave._settings import TYPE_CHECKING, Settings
 
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
     from typing import Any
 
 _lock = _thread.RLock()
@@ -57,42 +58,67 @@ def startup() -> None:
 
 def on_import(module: "Any") -> None:
     """Hook registered by the start-up module: torch (or checkpoint_wrapper) was just imported."""
-    global _hooks_registered
-    _hooks_registered = True
     current = _settings.current()
     _prepare(current)
     if not current.enabled:
         return
+    # The start-up module registered these hooks before autoweave loaded: recorded now,
+    # with their undo, so that disable() takes them off like any other install.
+    _installs.begin()
+    _installs.install(IMPORT_HOOKS, _adopt_hooks)
     if module.__name__ == TORCH:
         _on_torch_import(module)
     else:
         _on_checkpoint_wrapper_import(module)
 
 
+# The install key of the post-import hooks on torch and checkpoint_wrapper's module.
+IMPORT_HOOKS = "post-import hooks on torch and checkpoint_wrapper"
+
+
 def install() -> None:
-    """Patch torch now if it is imported, else when it is; idempotent."""
-    global _hooks_registered
+    """Patch torch now if it is imported, else when it is; idempotent (``disable()`` undoes it)."""
     with _lock:
-        if _hooks_registered or _importhook.registered(TORCH):
-            _hooks_registered = True  # the start-up module's hooks already wait for torch
-            return
-        _hooks_registered = True
-        # Registering is plain dictionary work; the hooks themselves carry the
-        # fail-open guard (importing logging here would cost every process).
-        _importhook.register(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
-        _importhook.register(TORCH, _on_torch_import)
+        _prepare(_settings.current())  # the log level asked for, as AUTOWEAVE=1 would
+        _installs.begin()
+        _installs.install(IMPORT_HOOKS, _register_hooks)
+
+
+def _register_hooks() -> "Callable[[], None]":
+    if _importhook.registered(TORCH):
+        return _adopt_hooks()  # the start-up module's hooks already wait for torch
+    # Registering is plain dictionary work; the hooks themselves carry the
+    # fail-open guard (importing logging here would cost every process).
+    # checkpoint_wrapper's hook first: it must be in place if torch's own import pulls it in.
+    _importhook.register(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
+    _importhook.register(TORCH, _on_torch_import)
+    return _adopt_hooks()
+
+
+def _adopt_hooks() -> "Callable[[], None]":
+    global _hooks_registered
+    _hooks_registered = True
+    return _unregister_hooks
+
+
+def _unregister_hooks() -> None:
+    global _hooks_registered
+    _hooks_registered = False
+    for name in (TORCH, CHECKPOINT_WRAPPER_MODULE):
+        _importhook.unregister(name, ON_IMPORT)  # the start-up module's
+    _importhook.unregister(TORCH, _on_torch_import)
+    _importhook.unregister(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
 
 
 def uninstall() -> None:
-    """Remove the import hooks and every patch (restoring the originals)."""
+    """Undo every install, newest first: hooks, patches, gates, filters, handlers, listeners, callbacks."""
     global _hooks_registered
     with _lock:
+        _installs.uninstall_all()
+        # Hooks the start-up module registered in a process that never imported torch
+        # (so never loaded autoweave's part of them): nothing else is left to take them off.
         _importhook.unregister_all()
         _hooks_registered = False
-        if TORCH in sys.modules:
-            from autoweave.dispatch import patches
-
-            patches.revert_all()
 
 
 # How torchrun's launcher runs: the ``torchrun`` script, or ``python -m`` one of these.
@@ -191,8 +217,10 @@ def _on_torch_import(module: "Any") -> None:
 
         report.install(_settings.current())
     with guard("applying TORCH_LOGS to the autoweave logger"):  # autoweave/observe/torch_logs.py
+        from autoweave import _log
         from autoweave.observe import torch_logs
 
+        _log.name_summary_level()  # the plan summary's level, by name, while installed
         torch_logs.register(_settings.current())
 
 

@@ -8,6 +8,7 @@ first forward. Nothing is compiled and no process group is created.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import importlib.util
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autoweave import _compat
 from autoweave.observe import summary
 from autoweave.planning import boundaries, planner
 
@@ -81,6 +83,31 @@ class BadInput(ValueError):
     """The command line names something the model does not have (exit status 2)."""
 
 
+def private_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` to plan on: the same modules, hooks and marks, its tensors on meta.
+
+    ``copy.deepcopy`` with every parameter and buffer given beforehand as an
+    empty meta tensor of its shape: the module tree is copied, no data is (a
+    model on a GPU costs no memory to explain). A model that cannot be copied
+    (FSDP1's wrappers refuse ``deepcopy``) raises ``BadInput`` naming the fix.
+    """
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in memo:
+            empty = torch.empty_like(tensor, device="meta")
+            if isinstance(tensor, nn.Parameter):
+                empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
+            memo[id(tensor)] = empty
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as exc:
+        raise BadInput(
+            f"explain plans a copy of the model, and {type(model).__name__} cannot be copied "
+            f"({type(exc).__name__}: {exc}); pass a factory instead (explain(lambda: {type(model).__name__}(...)), "
+            "built on the meta device), which leaves nothing of yours to copy"
+        ) from exc
+
+
 def _parameter_count(module: nn.Module) -> int:
     # numel() works on the meta device: nothing is allocated.
     return sum(p.numel() for p in module.parameters())
@@ -88,7 +115,7 @@ def _parameter_count(module: nn.Module) -> int:
 
 def _describe(name: str, container: nn.Module) -> str:
     kinds = sorted({type(child).__name__ for child in container.children()})
-    count = len(container._modules)
+    count = len(_compat.children_of(container))
     what = f"{count} × {kinds[0]}" if len(kinds) == 1 else f"{count} blocks: {', '.join(kinds[:3])}"
     return f"{name or '<root>'} ({type(container).__name__}, {what})"
 
@@ -117,7 +144,7 @@ def blocks_of(model: nn.Module, path: str | None = None) -> tuple[str, nn.Module
                 f"--blocks {path!r}: {type(model).__name__} has no submodule by that name "
                 f"(ModuleList/ModuleDict found: {found})"
             ) from None
-        if not len(container._modules):
+        if not _compat.children_of(container):
             raise BadInput(f"--blocks {path!r}: {type(container).__name__} has no child modules to plan")
         return path, container
     candidates = _candidates(model)
@@ -166,7 +193,7 @@ def simulate(
     ``experts`` is tried, and a model without experts simply has no units.
     Returns ``(qualified name, compile target)`` for every block.
     """
-    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+    cw = _compat.checkpoint_wrapper_module()
 
     if ac not in ("full", "selective", "none"):
         raise ValueError(f"ac={ac!r} not understood (accepted: full, selective, none)")
@@ -222,8 +249,14 @@ def explain(
     wrapped in ``ac`` AC and every submodule named in ``shard`` (default:
     ``experts``, where present) is treated as an FSDP unit. Raises ``BadInput``
     when ``blocks`` or a ``shard`` name matches nothing.
+
+    A model passed in is left exactly as it was: the recipe, the AC wrapping
+    and the FSDP marks go on a copy of it on the meta device (``private_copy``).
     """
-    model = model_or_factory if isinstance(model_or_factory, nn.Module) else build(model_or_factory)
+    if isinstance(model_or_factory, nn.Module):
+        model = private_copy(model_or_factory)  # the recipe and the simulation change it: never the user's
+    else:
+        model = build(model_or_factory)
     if recipe is not None:
         returned = recipe(model)
         if isinstance(returned, nn.Module):

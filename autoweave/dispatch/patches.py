@@ -1,8 +1,10 @@
-"""The wrappers autoweave puts on torch, and one registry that applies and reverts them.
+"""The wrappers autoweave puts on torch: each one an install in ``autoweave._installs``.
 
-Each patch is (owner, attribute, original, wrapper). Applying twice is a no-op;
-reverting restores the original only if our wrapper is still on top, and says
-so otherwise. The wrappers do nothing but route the call to ``runtime``.
+Each patch is (owner, attribute, original, wrapper), installed with its undo.
+Applying twice is a no-op; the undo restores the original only if our wrapper
+is still on top, and otherwise leaves both, switches ours to pass calls
+straight through and says so once (``[patch-shadowed]``). The wrappers do
+nothing but route the call to ``routes``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 
 import wrapt
 
+from autoweave import _installs
+from autoweave._failopen import warn_each
 from autoweave._log import logger
 from autoweave._settings import Settings
 
@@ -32,12 +36,10 @@ class _Patch:
 
 
 _lock = threading.RLock()
+# Every wrapper of ours still on its attribute (on top, or left under someone else's).
 _applied: dict[tuple[int, str], _Patch] = {}
 # Keys of the patches that route calls; a wrapper we could not remove stays, inactive.
 _active: set[tuple[int, str]] = set()
-# apply_activation_checkpointing captures checkpoint_wrapper as a default
-# argument, so patching the module attribute alone does not reach it.
-_defaults_patched: list[tuple[Any, tuple[Any, ...]]] = []
 
 
 def _current(owner: Any, attribute: str) -> Any:
@@ -58,39 +60,56 @@ def _ours_in_chain(current: Any) -> AutoweaveWrapper | None:
     return None
 
 
+def _label(owner: Any, attribute: str) -> str:
+    return f"{getattr(owner, '__name__', owner)}.{attribute}"
+
+
 def _apply(name: str, owner: Any, attribute: str, route: Callable[..., Any]) -> bool:
-    with _lock:
-        key = (id(owner), attribute)
-        current = _current(owner, attribute)
-        if current is None:
-            raise AttributeError(f"{owner!r} has no attribute {attribute!r} to patch")
-        buried = _ours_in_chain(current)
-        if buried is not None:
-            # Never two layers: a wrapper left under someone else's is switched back on.
+    """Install the patch ``name`` (once); True if a new wrapper went on now."""
+    fresh: list[bool] = []
+
+    def apply() -> Callable[[], None]:
+        with _lock:
+            key = (id(owner), attribute)
+            current = _current(owner, attribute)
+            if current is None:
+                raise AttributeError(f"{owner!r} has no attribute {attribute!r} to patch")
+            buried = _ours_in_chain(current)
+            if buried is not None:
+                # Never two layers: a wrapper left under someone else's is switched back on.
+                _active.add(key)
+                return lambda: _revert(key)
+            wrapper = AutoweaveWrapper(current, route, enabled=lambda: key in _active)
+            setattr(owner, attribute, wrapper)
+            _applied[key] = _Patch(name, owner, attribute, current, wrapper)
             _active.add(key)
+            fresh.append(True)
+            logger.debug("patched %s", _label(owner, attribute))
+            return lambda: _revert(key)
+
+    _installs.install(f"patch {_label(owner, attribute)}", apply)
+    return bool(fresh)
+
+
+def _revert(key: tuple[int, str]) -> bool:
+    """The undo of a patch: the original back if our wrapper is on top; else ours passes through."""
+    with _lock:
+        _active.discard(key)
+        patch = _applied.get(key)
+        if patch is None:
             return False
-        wrapper = AutoweaveWrapper(current, route, enabled=lambda: key in _active)
-        setattr(owner, attribute, wrapper)
-        _applied[key] = _Patch(name, owner, attribute, current, wrapper)
-        _active.add(key)
-        logger.debug("patched %s.%s", getattr(owner, "__name__", owner), attribute)
+        current = _current(patch.owner, patch.attribute)
+        if current is not patch.wrapper:
+            shadowed(_label(patch.owner, patch.attribute))
+            return False
+        setattr(patch.owner, patch.attribute, patch.original)
+        del _applied[key]
         return True
 
 
-def _revert(key: tuple[int, str], patch: _Patch) -> bool:
-    _active.discard(key)
-    current = _current(patch.owner, patch.attribute)
-    if current is not patch.wrapper:
-        logger.warning(
-            "not restoring %s.%s: something else wrapped autoweave's wrapper; "
-            "leaving both, autoweave's now passes calls straight through",
-            getattr(patch.owner, "__name__", patch.owner),
-            patch.attribute,
-        )
-        return False
-    setattr(patch.owner, patch.attribute, patch.original)
-    del _applied[key]
-    return True
+def shadowed(what: str) -> None:
+    """Told once per patch: something wrapped ours since, so the original cannot come back."""
+    warn_each(f"patch-shadowed:{what}", _installs.shadowed_message(what))
 
 
 def apply_torch(settings: Settings) -> None:
@@ -103,6 +122,7 @@ def apply_torch(settings: Settings) -> None:
     from autoweave.dispatch import routes
     from autoweave.planning import tree_changes
 
+    _installs.begin()
     tree_changes.install()
     if "compile" not in settings.disabled_patches:
         _apply("compile", torch, "compile", routes.route_compile)
@@ -120,25 +140,26 @@ def apply_checkpoint_wrapper(settings: Settings, module: Any) -> None:
         original = _current(module, "checkpoint_wrapper")
         if not _apply("checkpoint_wrapper", module, "checkpoint_wrapper", routes.route_checkpoint_wrapper):
             return
-        wrapper = module.checkpoint_wrapper
+        # apply_activation_checkpointing captures checkpoint_wrapper as a default
+        # argument, so patching the module attribute alone does not reach it.
         apply_ac = getattr(module, "apply_activation_checkpointing", None)
         defaults = getattr(apply_ac, "__defaults__", None)
         if defaults and any(d is original for d in defaults):
-            apply_ac.__defaults__ = tuple(wrapper if d is original else d for d in defaults)
-            _defaults_patched.append((apply_ac, defaults))
+            _installs.install(
+                "patch apply_activation_checkpointing's default checkpoint_wrapper",
+                lambda: _patch_defaults(apply_ac, defaults, original, module.checkpoint_wrapper),
+            )
 
 
-def revert_all() -> None:
-    """Restore every original that is still under our wrapper."""
-    with _lock:
-        for key, patch in list(_applied.items()):
-            _revert(key, patch)
-        for function, defaults in _defaults_patched:
+def _patch_defaults(function: Any, defaults: tuple, original: Any, wrapper: Any) -> Callable[[], None]:
+    ours = tuple(wrapper if d is original else d for d in defaults)
+    function.__defaults__ = ours
+
+    def undo() -> None:
+        if function.__defaults__ is ours:  # nobody changed the defaults since
             function.__defaults__ = defaults
-        _defaults_patched.clear()
-        from autoweave.planning import tree_changes
 
-        tree_changes.uninstall()
+    return undo
 
 
 def applied() -> list[str]:
@@ -159,6 +180,6 @@ def original(name: str) -> Any:
         return torch.compile
     if name == "module_compile":
         return torch.nn.Module.__dict__["compile"]
-    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as module
+    from autoweave import _compat
 
-    return module.checkpoint_wrapper
+    return _compat.checkpoint_wrapper_module().checkpoint_wrapper

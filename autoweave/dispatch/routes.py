@@ -10,6 +10,7 @@ untouched.
 from __future__ import annotations
 
 import contextvars
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,10 +18,10 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _compat, _instances
+from autoweave import _compat, _installs, _instances
 from autoweave._failopen import guard
 from autoweave._log import logger
-from autoweave.dispatch.dispatchers import _compile_function, _Dispatcher
+from autoweave.dispatch.dispatchers import State, _compile_function, _Dispatcher
 from autoweave.observe import report
 from autoweave.weave import decorated_checkpoints
 
@@ -103,6 +104,11 @@ def _gate_outer_ac(dispatcher: _Dispatcher, wrapper: nn.Module) -> None:
     only at the first call, and by the time the compiled block runs, the eager
     checkpoint has begun: so the wrapper's forward asks the dispatcher first and
     skips its own checkpoint when the plan moved it inside.
+
+    The gate is an install (``_installs``): ``autoweave.disable()`` removes the
+    gate of every wrapper whose block has not woven, so that wrapper is what
+    plain torch built; a woven block keeps its gate (its plan may have moved the
+    wrapper's checkpoint inside, and reverting a weave would recompile mid-training).
     """
     dispatcher.outer = weakref.ref(wrapper)
     wrapper_ref = weakref.ref(wrapper)
@@ -115,7 +121,31 @@ def _gate_outer_ac(dispatcher: _Dispatcher, wrapper: nn.Module) -> None:
             return _compat.checkpoint_wrapped(wrapper)(*args, **kwargs)
         return wrapper_forward(wrapper, *args, **kwargs)
 
-    _instances.install_forward(wrapper, forward)
+    previous = _instances.install_forward(wrapper, forward)
+    with _gates_lock:
+        _gates[wrapper] = (dispatcher, forward, previous)
+    _installs.install("gates on checkpoint wrappers around compiled blocks", lambda: _ungate_unwoven)
+
+
+# Every gated wrapper (held weakly) -> (its block's dispatcher, the gate, the forward it replaced).
+_gates: weakref.WeakKeyDictionary[nn.Module, tuple[_Dispatcher, Any, Any]] = weakref.WeakKeyDictionary()
+_gates_lock = threading.Lock()
+
+
+def _ungate_unwoven() -> None:
+    """The undo of the gates: each wrapper whose block has not woven is plain torch's again."""
+    with _gates_lock:
+        gated = list(_gates.items())
+        _gates.clear()
+    for wrapper, (dispatcher, gate, previous) in gated:
+        if (
+            dispatcher.woven
+            or dispatcher.state is State.LEARNED
+            or wrapper.__dict__.get("forward") is not gate
+        ):
+            continue  # woven (or about to be): keeps its gate; someone else's forward on top: theirs stays
+        dispatcher.outer = None  # planned from now on without a gate to skip the wrapper's AC
+        _instances.restore_forward(wrapper, previous)
 
 
 def _compile_kwargs(args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # dynamo's log signals, named where every private torch name is (``_compat``).
-from autoweave import _compat
+from autoweave import _compat, _installs
 from autoweave._compat import (  # noqa: F401 - re-exported for the runtime, report and tests
     FALLBACK_LOGGER,
     FALLBACK_NEEDLE,
     RECOMPILE_LIMIT_LOGGER,
     RECOMPILE_LIMIT_NEEDLE,
 )
+from autoweave._failopen import warn_each
 
 
 @dataclass
@@ -155,3 +156,35 @@ class FallbackCounter:
 
     def __exit__(self, *exc: Any) -> None:
         self.uninstall()
+
+
+class _RecompileLimitWarning(logging.Filter):
+    """Turns dynamo's recompile-limit warning for a woven region into an autoweave warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if RECOMPILE_LIMIT_NEEDLE in message and "autoweave_" in message:
+            where = message.splitlines()[1].strip() if "\n" in message else message
+            warn_each(
+                f"recompile-limit:{where}",
+                f"[recompile-limit] a woven region hit dynamo's recompile limit and now runs eager: {where}. "
+                "TORCH_LOGS=recompiles says which guard failed each time",
+            )
+        return True
+
+
+def warn_on_recompile_limit() -> None:
+    """From now on, a woven region that hits dynamo's recompile limit is told in autoweave's words.
+
+    Installed at the first woven plan (once, while autoweave is on), on dynamo's
+    logger; ``autoweave.disable()`` takes it off.
+    """
+    if _installs.active():
+        _installs.install("recompile-limit warning (a filter on dynamo's logger)", _add_recompile_filter)
+
+
+def _add_recompile_filter() -> Callable[[], None]:
+    log = logging.getLogger(RECOMPILE_LIMIT_LOGGER)
+    warning = _RecompileLimitWarning()
+    log.addFilter(warning)
+    return lambda: log.removeFilter(warning)

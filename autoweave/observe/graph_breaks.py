@@ -10,10 +10,13 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from autoweave import _installs
 from autoweave._compat import GRAPH_BREAK_LOGGER, HOP_CHECKPOINT_NOTE  # dynamo's log signals
+from autoweave._failopen import guard
 from autoweave.planning.sources import is_user_file
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
@@ -39,47 +42,92 @@ def site_of_record(text: str) -> str | None:
     return None
 
 
-class _GraphBreakWatch(logging.Handler):
-    """Listens to dynamo's graph-break records; passes on what torch would have shown anyway."""
+class _Listener(logging.Handler):
+    """The one handler on dynamo's graph-break logger, shared by every ``_GraphBreakWatch``.
+
+    Listening means lowering a global logger to DEBUG (and stopping propagation,
+    so torch's handlers don't show DEBUG). Watches overlap (the report's lives
+    while autoweave is installed, a first call's spans that call, threads
+    interleave), so the logger's state is saved by the first watch to start and
+    restored by the last to stop, whatever the order; and a record is passed on
+    once, however many watches hear it (as ``counting``'s fallback listener).
+    """
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
-        self.sites: list[BreakSite] = []
-        self._lock_sites = threading.Lock()
-        self._logger = logging.getLogger(GRAPH_BREAK_LOGGER)
+        self._watches: list[_GraphBreakWatch] = []
+        self._saved: tuple[int, bool] | None = None  # level, propagate before the first watch
+        self._left: tuple[int, bool] | None = None  # level, propagate as the first watch left them
         self._shown_from: int | None = None  # level torch's handlers saw before we listened
+        self._state_lock = threading.Lock()
+
+    def add(self, watch: _GraphBreakWatch) -> None:
+        with self._state_lock:
+            if watch in self._watches:
+                return
+            if not self._watches:
+                log = logging.getLogger(GRAPH_BREAK_LOGGER)
+                self._saved = (log.level, log.propagate)
+                self._shown_from = None
+                log.addHandler(self)
+                if log.getEffectiveLevel() > logging.DEBUG:
+                    # Listen at DEBUG without showing DEBUG: stop propagation, pass on the rest.
+                    self._shown_from = log.getEffectiveLevel() if log.propagate else logging.CRITICAL + 1
+                    log.setLevel(logging.DEBUG)
+                    log.propagate = False
+                self._left = (log.level, log.propagate)
+            self._watches.append(watch)
+
+    def remove(self, watch: _GraphBreakWatch) -> None:
+        with self._state_lock:
+            if watch not in self._watches:
+                return
+            self._watches.remove(watch)
+            if self._watches or self._saved is None:
+                return
+            log = logging.getLogger(GRAPH_BREAK_LOGGER)
+            log.removeHandler(self)
+            if (log.level, log.propagate) == self._left:  # nobody changed it since: ours to restore
+                log.setLevel(self._saved[0])
+                log.propagate = self._saved[1]
+            self._saved = self._left = self._shown_from = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        try:
+        with self._state_lock:
+            watches, shown_from = list(self._watches), self._shown_from
+        with guard("reading the place of a graph break", quiet=True):
             text = record.getMessage()
             site = site_of_record(text)
             if site is not None:
                 reason = _REASON.search(text)
-                with self._lock_sites:
-                    self.sites.append(BreakSite(site, reason.group(1).strip() if reason else "", text))
-        except Exception:
-            pass
-        if self._shown_from is not None and record.levelno >= self._shown_from:
-            parent = self._logger.parent
+                found = BreakSite(site, reason.group(1).strip() if reason else "", text)
+                for watch in watches:
+                    watch.add(found)
+        if shown_from is not None and record.levelno >= shown_from:
+            parent = logging.getLogger(GRAPH_BREAK_LOGGER).parent
             if parent is not None:
                 parent.handle(record)
 
+
+_listener = _Listener()
+
+
+class _GraphBreakWatch:
+    """The graph-break places heard while installed."""
+
+    def __init__(self) -> None:
+        self.sites: list[BreakSite] = []
+        self._lock_sites = threading.Lock()
+
+    def add(self, site: BreakSite) -> None:
+        with self._lock_sites:
+            self.sites.append(site)
+
     def install(self) -> None:
-        log = self._logger
-        self._saved = (log.level, log.propagate)
-        log.addHandler(self)
-        if log.getEffectiveLevel() > logging.DEBUG:
-            # Listen at DEBUG without showing DEBUG: stop propagation, pass on the rest.
-            self._shown_from = log.getEffectiveLevel() if log.propagate else logging.CRITICAL + 1
-            log.setLevel(logging.DEBUG)
-            log.propagate = False
+        _listener.add(self)
 
     def uninstall(self) -> None:
-        log = self._logger
-        log.removeHandler(self)
-        if not any(isinstance(h, _GraphBreakWatch) for h in log.handlers):
-            log.setLevel(self._saved[0])
-            log.propagate = self._saved[1]
+        _listener.remove(self)
 
 
 _watch: _GraphBreakWatch | None = None
@@ -99,16 +147,33 @@ class recording_graph_breaks:  # noqa: N801 - used like a function: `with record
 
 
 def watch_graph_breaks() -> None:
-    """Start recording where graph breaks happen, from now on (the report turns it on)."""
+    """Start recording where graph breaks happen, from now on (the report turns it on).
+
+    Installed once (``autoweave._installs``): ``autoweave.disable()`` stops it.
+    """
+    if not _installs.install("graph-break watch (the report's user lines)", _start_watching):
+        with _watch_lock:
+            if _watch is not None:
+                # A new report starts: it owns the sites seen from here, not an earlier report's.
+                with _watch._lock_sites:
+                    _watch.sites.clear()
+
+
+def _start_watching() -> Callable[[], None]:
     global _watch
+    watch = _GraphBreakWatch()
+    watch.install()
     with _watch_lock:
-        if _watch is None:
-            _watch = _GraphBreakWatch()
-            _watch.install()
-        else:
-            # A new report starts: it owns the sites seen from here, not an earlier report's.
-            with _watch._lock_sites:
-                _watch.sites.clear()
+        _watch = watch
+
+    def undo() -> None:
+        global _watch
+        watch.uninstall()
+        with _watch_lock:
+            if _watch is watch:
+                _watch = None
+
+    return undo
 
 
 def _sites() -> list[BreakSite]:

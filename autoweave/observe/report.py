@@ -21,10 +21,11 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoweave import _compat
+from autoweave import _compat, _installs
 from autoweave._log import logger, rank, world_size
 from autoweave._state import run
 from autoweave.observe import counting, graph_breaks, summary, trace
@@ -292,15 +293,26 @@ def on_plan(entry: summary.Entry) -> None:
         _stats.name_regions(entry)
 
 
+# The report's install key (``autoweave._installs``): ``disable()`` stops the report.
+REPORT = "run report (counting backends, dynamo's compile callbacks, recompile-limit filter)"
+
+
 def start(path: str | None = None) -> None:
     """Start collecting (``AUTOWEAVE_REPORT`` does this at patch time); ``path`` is written at exit."""
-    global _stats
     with _lock:
-        if _stats is None:
-            _stats = _Stats(path)
-            _stats.install()
-        elif path is not None:
-            _stats.path = path
+        if _stats is not None:
+            if path is not None:
+                _stats.path = path
+            return
+        _installs.install(REPORT, lambda: _start_collecting(path))
+
+
+def _start_collecting(path: str | None) -> Callable[[], None]:
+    global _stats
+    stats = _Stats(path)
+    stats.install()
+    _stats = stats
+    return lambda: stop()
 
 
 def stop() -> dict[str, Any] | None:
@@ -308,6 +320,7 @@ def stop() -> dict[str, Any] | None:
     global _stats
     with _lock:
         stats, _stats = _stats, None
+        _installs.forget(REPORT)
     if stats is None:
         return None
     data = stats.snapshot()
@@ -475,16 +488,29 @@ def at_exit() -> None:
     _quietly("write the report", _write_and_summarise, stats)
 
 
-_registered = False
-
-
 def install(settings: Any) -> None:
-    """Called when the patches load: plan listeners, the exit hook, and the report when asked for."""
-    global _registered
-    summary.subscribe(on_plan)
-    summary.subscribe(trace.emit_plan)  # TORCH_TRACE: each plan as a structured-trace artifact
+    """Called when the patches load: plan listeners, the exit hook, and the report when asked for.
+
+    Each is an install of its own (``autoweave._installs``). ``disable()`` does
+    first what exit would have done (the pending plan summary, the report
+    written and summarised), then stops the report and takes the listeners off.
+    """
+    _listen(on_plan, "plan listener: the report names its regions")
+    _listen(trace.emit_plan, "plan listener: TORCH_TRACE writes each plan")
     if settings.report:
         start(settings.report)
-    if not _registered:
-        _registered = True
-        atexit.register(at_exit)
+    _installs.install("exit hook: the plan summary and the report", _register_exit)
+
+
+def _listen(listener: Callable[[summary.Entry], None], key: str) -> None:
+    _installs.install(key, lambda: summary.subscribe(listener), lambda: summary.unsubscribe(listener))
+
+
+def _register_exit() -> Callable[[], None]:
+    atexit.register(at_exit)
+
+    def undo() -> None:
+        atexit.unregister(at_exit)
+        at_exit()  # what exit would have done, now: after disable() nothing is left to do it
+
+    return undo

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
+from autoweave import _installs, _log
 from autoweave._log import ALIAS, TORCH_LOGS, logger, requested_level
 
 __all__ = ["ALIAS", "TORCH_LOGS", "register", "requested_level"]
@@ -24,7 +26,12 @@ TORCH_LOGS_OUT = "TORCH_LOGS_OUT"
 
 
 def register(settings: object) -> None:
-    """Put ``autoweave`` in torch's log registry and apply ``TORCH_LOGS`` to it (once torch is imported)."""
+    """Put ``autoweave`` in torch's log registry and apply ``TORCH_LOGS`` to it (once torch is imported).
+
+    Every change (the registry's alias, the logger's level, propagation and
+    handlers) is undone by ``autoweave.disable()``: the alias by its own
+    install, the logger's by ``_log.edit``.
+    """
     internal = _internal()
     if internal is None:
         return
@@ -33,30 +40,46 @@ def register(settings: object) -> None:
     # set_logs(dynamo=...) would reset our logger (level, handlers, propagation)
     # even though the user asked nothing about autoweave.
     if TORCH_LOGS in os.environ and not internal.log_registry.is_log(ALIAS):
-        internal.register_log(ALIAS, ALIAS)
+        _installs.install("torch log registry: the autoweave alias", lambda: _register_alias(internal))
     level = requested_level()
     if level is None:
         return
+    own = _log.edit()
     if getattr(settings, "log_level", None) is not None:
-        _drop_torch_handlers(internal)
+        _drop_torch_handlers(internal, own)
         return
     # torch usually did this already (it accepts any importable module name in
     # TORCH_LOGS); a torch that did not gets the same result here.
-    logger.setLevel(level)
-    logger.propagate = False
+    own.set_level(level)
+    own.set_propagate(False)
     if not any(internal._is_torch_handler(h) for h in logger.handlers):
         # torch 2.14 writes to whatever sys.stderr is now (_StderrHandler); 2.13 a StreamHandler.
+        before = list(logger.handlers)
         internal._setup_handlers(getattr(internal, "_StderrHandler", logging.StreamHandler), logger)
         out = os.environ.get(TORCH_LOGS_OUT)
         if out:
             internal._setup_handlers(lambda: logging.FileHandler(out), logger)
+        for handler in [h for h in logger.handlers if h not in before]:
+            own.undo_with(lambda handler=handler: logger.removeHandler(handler))
 
 
-def _drop_torch_handlers(internal: object) -> None:
+def _register_alias(internal: object) -> Callable[[], None]:
+    internal.register_log(ALIAS, ALIAS)  # type: ignore[attr-defined]
+    aliases = internal.log_registry.log_alias_to_log_qnames  # type: ignore[attr-defined]
+    ours = aliases.get(ALIAS)
+
+    def undo() -> None:
+        if aliases.get(ALIAS) is ours:
+            del aliases[ALIAS]
+
+    return undo
+
+
+def _drop_torch_handlers(internal: object, own: _log.LoggerEdit) -> None:
     # AUTOWEAVE_LOG_LEVEL attached our handler already: one handler, one line per record.
     for handler in [h for h in logger.handlers if internal._is_torch_handler(h)]:  # type: ignore[attr-defined]
-        logger.removeHandler(handler)
-    logger.propagate = True
+        own.remove_handler(handler)
+    own.set_propagate(True)
 
 
 def _internal() -> object | None:

@@ -19,9 +19,10 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from autoweave import _compat
+from autoweave import _compat, _installs
 from autoweave._log import logger
 from autoweave._state import run
 from autoweave.observe import summary
@@ -34,7 +35,6 @@ _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
 
 # What each region's artifact says lives on ``_state.run.trace_regions``.
 _lock = threading.Lock()
-_callback_installed = False
 
 
 def enabled() -> bool:
@@ -126,16 +126,20 @@ def _on_compile_start(args: Any = None, *_: Any) -> None:
 
 
 def _install_callback() -> None:
-    global _callback_installed
-    with _lock:
-        if _callback_installed:
-            return
-        _callback_installed = True
-    from autoweave import _compat
+    _installs.install("dynamo compile-start callback: TORCH_TRACE writes each woven region", _add_callback)
 
+
+def _add_callback() -> Callable[[], None] | None:
     callbacks = _compat.compile_callbacks()
-    if callbacks is not None:
-        callbacks.register_start_callback(_on_compile_start)
+    if callbacks is None:
+        return None
+    callbacks.register_start_callback(_on_compile_start)
+
+    def undo() -> None:
+        if _on_compile_start in callbacks.start_callbacks:
+            callbacks.remove_start_callback(_on_compile_start)
+
+    return undo
 
 
 def _emit(name: str, payload: dict[str, Any]) -> None:

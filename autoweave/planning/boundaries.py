@@ -60,9 +60,11 @@ def _load_entry_points() -> None:
         return
     _entry_points_loaded = True
     try:
-        import importlib_metadata
+        # The standard library's reader (3.10+ selects by group): importing the
+        # importlib_metadata backport would put its finder on sys.meta_path for good.
+        import importlib.metadata
 
-        found = importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
+        found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
     except Exception:  # pragma: no cover - metadata is best effort
         logger.debug("could not read entry points %s", ENTRY_POINT_GROUP, exc_info=True)
         return

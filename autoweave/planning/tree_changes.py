@@ -33,16 +33,14 @@ compiled tree do not:
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from autoweave import _compat, _installs
+from autoweave._failopen import warn_each
 from autoweave._log import logger
 from autoweave._state import run
 
-_lock = threading.Lock()
-_handle: Any = None
-_fsdp_init: tuple[type, Any] | None = None  # (FSDPState, its original init) while wrapped
 _is_compiling: Any = None  # torch.compiler.is_compiling, once torch is imported (install)
 
 
@@ -61,58 +59,72 @@ def _on_registration(module: Any, name: str, submodule: Any) -> None:
     # rest is never traced (see the module docstring).
     if _is_compiling():
         return
-    if module in run.watched and module.__dict__.get("_modules", {}).get(name) is not submodule:
+    if module in run.watched and _compat.children_of(module).get(name) is not submodule:
         bump()
 
 
 def install() -> None:
-    """Start watching (idempotent); called when the patches go on."""
-    global _handle, _is_compiling
+    """Start watching (each part installed once, undone by ``autoweave.disable()``)."""
+    global _is_compiling
     import torch
 
-    from autoweave import _compat, _importhook
-
-    with _lock:
-        _is_compiling = torch.compiler.is_compiling
-        if _handle is None:
-            _handle = _compat.register_module_registration_hook(_on_registration)
+    _is_compiling = torch.compiler.is_compiling
+    _installs.install("module registration hook (tree changes)", _add_registration_hook)
     # FSDP2 loads when the user imports it, not with torch: hook its module
     # (at once if it is already imported) rather than import it here.
     for name in _compat.FSDP2_STATE_MODULES:
-        _importhook.register(name, _watch_fully_shard)
+        _installs.install(f"import hook on {name} (fully_shard watch)", lambda name=name: _hook_import(name))
     bump()
+
+
+def _add_registration_hook() -> Callable[[], None] | None:
+    handle = _compat.register_module_registration_hook(_on_registration)
+    if handle is None:
+        return None
+
+    def undo() -> None:
+        handle.remove()
+        bump()  # plans made while watching are read again if autoweave comes back
+
+    return undo
+
+
+def _hook_import(name: str) -> Callable[[], None]:
+    from autoweave import _importhook
+
+    _importhook.register(name, _watch_fully_shard)
+    return lambda: _importhook.unregister(name, _watch_fully_shard)
 
 
 def _watch_fully_shard(state_module: Any) -> None:
-    global _fsdp_init
-    with _lock:
-        state_cls = getattr(state_module, "FSDPState", None)
-        original = getattr(state_cls, "__dict__", {}).get("init")
-        if _fsdp_init is not None or original is None:
-            if original is None:
-                logger.debug("FSDPState.init not found: fully_shard after a first forward is not watched")
-            return
+    state_cls = getattr(state_module, "FSDPState", None)
+    original = getattr(state_cls, "__dict__", {}).get("init")
+    if original is None:
+        logger.debug("FSDPState.init not found: fully_shard after a first forward is not watched")
+        return
+    # Both FSDP2 module paths may name one class: one patch.
+    _installs.install(
+        f"patch {state_cls.__module__}.FSDPState.init (fully_shard watch)",
+        lambda: _wrap_init(state_cls, original),
+    )
 
-        def init(self: Any, *args: Any, **kwargs: Any) -> Any:
+
+def _wrap_init(state_cls: type, original: Any) -> Callable[[], None]:
+    on = [True]
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if on[0]:
             bump()
-            return original(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
 
-        init.__wrapped__ = original  # type: ignore[attr-defined]
-        state_cls.init = init  # type: ignore[union-attr]
-        _fsdp_init = (state_cls, original)
+    init.__wrapped__ = original  # type: ignore[attr-defined]
+    state_cls.init = init  # type: ignore[attr-defined]
 
+    def undo() -> None:
+        on[0] = False  # left in place below someone else's: passes calls straight through
+        if state_cls.__dict__.get("init") is init:
+            state_cls.init = original  # type: ignore[attr-defined]
+            return
+        warn_each("patch-shadowed:FSDPState.init", _installs.shadowed_message("FSDPState.init"))
 
-def uninstall() -> None:
-    """Stop watching and put FSDP2's ``init`` back (only if ours is still on top)."""
-    global _handle, _fsdp_init
-    with _lock:
-        if _handle is not None:
-            _handle.remove()
-            _handle = None
-        if _fsdp_init is not None:
-            state_cls, original = _fsdp_init
-            current = state_cls.__dict__.get("init")
-            if getattr(current, "__wrapped__", None) is original:
-                state_cls.init = original
-            _fsdp_init = None
-    bump()
+    return undo

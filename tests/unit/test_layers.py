@@ -21,11 +21,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # Start-up, standard library only: the post-import hooks (hooks named by string).
     ("_autoweave_start", "autoweave._importhook"),
     # Foundations, at the package root, standard library only (``_compat`` imports torch lazily):
-    # settings, run-time state, what autoweave attaches to instances, torch names, logging, fail-open.
+    # settings, run-time state, the install registry, what autoweave attaches to instances,
+    # torch names, logging, fail-open.
     (
         "autoweave._version",
         "autoweave._settings",
         "autoweave._state",
+        "autoweave._installs",
         "autoweave._instances",
         "autoweave._compat",
         "autoweave._log",

@@ -1,0 +1,138 @@
+"""Everything autoweave installs outside its own objects, in one registry, each with its undo.
+
+A patch on torch, a gate on a checkpoint wrapper, a log filter, a logger's level,
+a handler, a plan listener, a dynamo callback, an exit hook, an import hook:
+each goes in through ``install(key, apply)``, which runs ``apply`` once per key
+(applying twice is a no-op) and keeps the undo it returns. ``uninstall_all()``
+(``autoweave.disable()``) runs the undos newest first, so torch and logging end
+as they were before the first install: OpenTelemetry's instrument/uninstrument.
+
+Each undo reverts only what is still as autoweave left it: a function
+restored only if our wrapper is still on top, a logger's level only if nobody
+set another since (see ``autoweave._log.LoggerEdit``), a handler removed but
+nobody else's. What it must leave is left, and the owner says so
+(``[patch-shadowed]``).
+
+``active()`` says whether autoweave is on now: ``begin()`` (``enable()``, the
+start-up hook) to ``uninstall_all()``. A dispatcher asks it at a compiled
+module's first forward: a module compiled while autoweave was on and first
+called after ``disable()`` runs what plain torch.compile would.
+
+Standard library only and cheap to import (``startup`` records the import hooks
+here, in every process with ``AUTOWEAVE`` on): no logging until an undo fails.
+"""
+
+import _thread
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
+
+    Undo = Callable[[], None]
+
+_lock = _thread.RLock()
+# key -> undo, in install order (dicts keep it; popitem() takes the newest).
+_undos: "dict[str, Undo]" = {}
+_busy: "set[str]" = set()  # keys whose apply() is running
+_on = False
+
+
+def begin() -> None:
+    """autoweave is on from now on (idempotent): compiled modules may weave at their first call."""
+    global _on
+    _on = True
+
+
+def active() -> bool:
+    """Is autoweave on now (between ``begin()`` and ``uninstall_all()``)? One global read."""
+    return _on
+
+
+def install(key: str, apply: "Callable[[], Undo | None]", undo: "Undo | None" = None) -> bool:
+    """Run ``apply()`` unless ``key`` is installed (or being installed); keep its undo. True if it ran.
+
+    The undo is ``undo``, or else what ``apply`` returns (None: nothing to undo;
+    the key still marks it installed). An ``apply`` that raises installs nothing
+    and must leave nothing behind.
+    """
+    with _lock:
+        if key in _undos or key in _busy:
+            return False
+        _busy.add(key)
+    # ``apply`` runs outside the lock, as wrapt runs its import hooks: it may import
+    # (torch's import lock), and a hook on another thread may be installing too.
+    try:
+        returned = apply()
+    finally:
+        with _lock:
+            _busy.discard(key)
+    with _lock:
+        _undos[key] = undo if undo is not None else (returned or _nothing)
+    return True
+
+
+def installed(key: str) -> bool:
+    with _lock:
+        return key in _undos
+
+
+def keys() -> "list[str]":
+    """What is installed now, oldest first (the keys name each install for people)."""
+    with _lock:
+        return list(_undos)
+
+
+def uninstall(key: str) -> bool:
+    """Undo one install now (its owner stops it early); False if it was not installed."""
+    with _lock:
+        undo = _undos.pop(key, None)
+    if undo is None:
+        return False
+    _run(key, undo)
+    return True
+
+
+def forget(key: str) -> None:
+    """The owner undid ``key`` itself: drop its undo without running it."""
+    with _lock:
+        _undos.pop(key, None)
+
+
+def uninstall_all() -> None:
+    """Turn autoweave off and run every undo, newest first.
+
+    Undos run outside the lock (one may log, flush or join a thread). One that
+    installs something while it runs (the plan summary flushed at ``disable()``
+    sets the logger's level) is undone in the same pass.
+    """
+    global _on
+    _on = False
+    while True:
+        with _lock:
+            if not _undos:
+                return
+            key, undo = _undos.popitem()
+        _run(key, undo)
+
+
+def shadowed_message(what: str) -> str:
+    """The ``[patch-shadowed]`` warning: a patch's undo found someone else's wrapper on top of ours."""
+    return (
+        f"[patch-shadowed] not restoring {what}: something else wrapped autoweave's wrapper since "
+        "autoweave was enabled; leaving both, autoweave's now passes every call straight through"
+    )
+
+
+def _run(key: str, undo: "Undo") -> None:
+    try:
+        undo()
+    except Exception as exc:  # one failed undo must not keep the others from running
+        import logging
+
+        logging.getLogger("autoweave").warning(
+            "could not undo %s (%s: %s); it stays in place", key, type(exc).__name__, exc
+        )
+
+
+def _nothing() -> None:
+    pass
