@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autoweave import _compat, _installs
-from autoweave._log import logger
+from autoweave._failopen import guard
 from autoweave._state import run
 from autoweave.observe import summary
 from autoweave.planning import sources
@@ -72,7 +72,7 @@ def emit_plan(entry: summary.Entry) -> None:
     """A ``plan_log`` listener: write the plan, remember its regions for their compiles. Never raises."""
     if not enabled():
         return
-    try:
+    with guard(f"writing the plan of {entry.shown} to the structured trace", quiet=True):
         payload = plan_payload(entry)
         with _lock:
             for decision in payload["decisions"]:
@@ -85,8 +85,6 @@ def emit_plan(entry: summary.Entry) -> None:
                     region["decisions"].append(decision)
         _install_callback()
         _emit(PLAN_ARTIFACT, payload)
-    except Exception:
-        logger.debug("could not write the plan of %s to the structured trace", entry.shown, exc_info=True)
 
 
 def emit_region(label: str, *, code_name: str) -> None:
@@ -112,17 +110,11 @@ def region_label(code_name: str) -> str | None:
 
 def _on_compile_start(args: Any = None, *_: Any) -> None:
     # Runs inside dynamo's compile context: trace_structured attaches its compile id.
-    try:
-        from autoweave import _compat
-
+    with guard("writing a region to the structured trace", quiet=True):
         code = _compat.code_being_compiled()
-        if code is None:
-            return
-        label = region_label(code.co_name)
+        label = region_label(code.co_name) if code is not None else None
         if label is not None:
             emit_region(label, code_name=code.co_name)
-    except Exception:
-        logger.debug("could not write a region to the structured trace", exc_info=True)
 
 
 def _install_callback() -> None:

@@ -199,3 +199,101 @@ def test_importing_every_module_changes_nothing() -> None:
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0 and "clean" in result.stdout, result.stderr[-2000:]
+
+
+# -- package-level contracts ------------------------------------------------------------------
+
+# Private attributes of torch's modules and wrappers: read and written in _compat only, so a
+# torch that renames one breaks one module, which names the torch range and the upstream fix.
+PRIVATE_TORCH_ATTRS = {
+    "_orig_mod",
+    "_compiled_call_impl",
+    "_checkpoint_wrapped_module",
+    "_fsdp_wrapped_module",
+    "_call_impl",
+    "_modules",
+    "_parameters",
+    "_buffers",
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+}
+# _autoweave_start names checkpoint_wrapper's private module path as a string: start-up may
+# not import _compat (it costs every process); _compat.CHECKPOINT_WRAPPER_MODULE is the same.
+_PRIVATE_NAME_EXEMPT = {"autoweave._compat", "_autoweave_start"}
+
+
+def _is_private_torch_path(dotted: str) -> bool:
+    parts = dotted.split(".")
+    return parts[0] == "torch" and any(
+        part.startswith("_") and not part.startswith("__") for part in parts[1:]
+    )
+
+
+def private_torch_names(path: Path) -> list[str]:
+    """Where ``path`` touches a private torch name: ``file:line name``."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        name = None
+        if isinstance(node, ast.Attribute) and node.attr in PRIVATE_TORCH_ATTRS:
+            name = node.attr
+        elif (
+            isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch"
+        ):
+            name = (
+                f"torch.{node.attr}" if node.attr.startswith("_") and not node.attr.startswith("__") else None
+            )
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value in PRIVATE_TORCH_ATTRS or _is_private_torch_path(node.value):
+                name = repr(node.value)
+        elif isinstance(node, ast.ImportFrom) and node.module and _is_private_torch_path(node.module):
+            name = f"from {node.module}"
+        elif isinstance(node, ast.Import):
+            name = next((a.name for a in node.names if _is_private_torch_path(a.name)), None)
+        if name is not None:
+            found.append(f"{path.name}:{node.lineno} {name}")
+    return found
+
+
+@pytest.mark.parametrize("module", [m for m in ORDER if m not in _PRIVATE_NAME_EXEMPT])
+def test_only_compat_touches_a_private_torch_name(module: str) -> None:
+    found = private_torch_names(_modules()[module])
+    assert not found, f"{module} names private torch names; move them into autoweave/_compat.py: {found}"
+
+
+def test_the_private_name_check_sees_attributes_strings_and_imports(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import torch._dynamo\nfrom torch._dynamo.utils import counters\n"
+        "def f(m):\n    return m._orig_mod, getattr(m, '_modules'), torch._C, 'torch.distributed._x'\n"
+        "def g(m):\n    return m.forward, 'torch.nn', torch.nn\n"
+    )
+    assert sorted(entry.split(" ", 1)[1] for entry in private_torch_names(source)) == sorted(
+        [
+            "torch._dynamo",
+            "from torch._dynamo.utils",
+            "_orig_mod",
+            "'_modules'",
+            "torch._C",
+            "'torch.distributed._x'",
+        ]
+    )
+
+
+def test_only_patches_assigns_to_a_torch_attribute() -> None:
+    # ``torch.x = ...`` (or deeper: torch._dynamo.config.x = ...) changes torch for everyone:
+    # the install registry in dispatch/patches does it, with the undo.
+    offenders = []
+    for module, path in _modules().items():
+        if module in ("autoweave.dispatch.patches", "autoweave._compat"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets:
+                root = target
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(target, ast.Attribute) and isinstance(root, ast.Name) and root.id == "torch":
+                    offenders.append(f"{module}:{node.lineno}")
+    assert not offenders, offenders
