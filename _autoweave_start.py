@@ -98,7 +98,18 @@ def _fire(name: str) -> None:
     for hook in hooks:
         function = _resolve(hook) if isinstance(hook, str) else hook
         if function is not None:
-            function(sys.modules[name])
+            _call(function, sys.modules[name])
+
+
+def _call(function: "Callable[..., Any]", module: "Any") -> None:
+    # A hook runs inside the user's `import torch`: its failure is autoweave's, never the
+    # import's (autoweave's own hooks guard themselves; this catches what slips past).
+    try:
+        function(module)
+    except Exception as exc:
+        if os.environ.get("AUTOWEAVE_STRICT", "").strip().lower() in ON:
+            raise
+        _warn(f"[startup-failed] a hook on {module.__name__} failed: {exc!r}; it runs unpatched")
 
 
 def _resolve(target: str) -> "Callable[..., Any] | None":
@@ -125,7 +136,7 @@ def register(name: str, hook: "Hook") -> None:
     if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
         function = _resolve(hook) if isinstance(hook, str) else hook
         if function is not None:
-            function(module)
+            _call(function, module)
 
 
 def unregister_all() -> None:

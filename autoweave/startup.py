@@ -57,19 +57,26 @@ def startup() -> None:
 
 
 def on_import(module: "Any") -> None:
-    """Hook registered by the start-up module: torch (or checkpoint_wrapper) was just imported."""
-    current = _settings.current()
-    _prepare(current)
-    if not current.enabled:
-        return
-    # The start-up module registered these hooks before autoweave loaded: recorded now,
-    # with their undo, so that disable() takes them off like any other install.
-    _installs.begin()
-    _installs.install(IMPORT_HOOKS, _adopt_hooks)
-    if module.__name__ == TORCH:
-        _on_torch_import(module)
-    else:
-        _on_checkpoint_wrapper_import(module)
+    """Hook registered by the start-up module: torch (or checkpoint_wrapper) was just imported.
+
+    Runs inside the user's ``import torch``: whatever fails here is autoweave's,
+    and torch is imported unpatched (the one guard; strict mode raises).
+    """
+    from autoweave._failopen import guard
+
+    with guard(f"preparing autoweave as {module.__name__} is imported", fallback="torch runs unpatched"):
+        current = _settings.current()
+        _prepare(current)
+        if not current.enabled:
+            return
+        # The start-up module registered these hooks before autoweave loaded: recorded now,
+        # with their undo, so that disable() takes them off like any other install.
+        _installs.begin()
+        _installs.install(IMPORT_HOOKS, _adopt_hooks)
+        if module.__name__ == TORCH:
+            _on_torch_import(module)
+        else:
+            _on_checkpoint_wrapper_import(module)
 
 
 # The install key of the post-import hooks on torch and checkpoint_wrapper's module.
