@@ -63,7 +63,7 @@ class Why(enum.Enum):
 
     PLANNED = "planned at the first call"
     TREE_CHANGED = "the module tree under the target changed: planned again"
-    OFF = "autoweave was turned off before the first call: plain torch.compile"
+    OFF = "autoweave was turned off before the plan was applied: plain torch.compile"
     PLANNING_FAILED = "planning failed (autoweave's own error): plain torch.compile"
     WATCHED = "the watched first call ran: plain from now on unless dynamo fell back"
     FELL_BACK = "dynamo ran a checkpointed region eager: re-planned around the break, applied next call"
@@ -455,6 +455,10 @@ class _Dispatcher:
         with self._lock:
             plan, self._pending = self._pending, None
             self._release()
+            if not _settings.current().enabled:
+                self.plan = None  # disable() ran since the fallback taught this plan: plain torch.compile
+                self._enter(State.PLAIN, Why.OFF)
+                return
             with guard(f"weaving {type(self.target).__name__}") as failed:
                 if plan is not None:
                     self._apply(plan, Why.APPLIED)

@@ -90,3 +90,17 @@ def test_a_move_the_table_does_not_allow_raises_in_strict_mode(monkeypatch: pyte
     with pytest.raises(autoweave.AutoweaveError if hasattr(autoweave, "AutoweaveError") else Exception):
         dispatcher._enter(State.WOVEN, Why.COMPILED)  # PLAIN -> WOVEN skips the first woven call
     assert dispatcher.state is State.PLAIN
+
+
+def test_a_plan_learned_before_disable_is_not_applied_after_it() -> None:
+    model = torch.compile(cw.checkpoint_wrapper(bm.ItemRouterBlock()), backend="aot_eager")
+    x = torch.randn(6, bm.DIM)
+    _step(model, x)  # the fallback teaches the break: a plan waits for the next call
+    assert dispatchers.dispatcher_of(model).state is State.LEARNED
+    autoweave.disable()
+    try:
+        _step(model, x)
+        assert _life(model)[-1] == ("PLAIN", "OFF")
+        assert not dispatchers.dispatcher_of(model).woven
+    finally:
+        assert autoweave.enable()
