@@ -224,6 +224,11 @@ def _region_forward(
     A region compiled as pieces appends its ``CheckpointPieces`` backend to ``pieces``.
     """
     checkpoint_fn = None if decision.checkpoint is None else decision.checkpoint.checkpoint_fn
+    # The key of the region as asked, before a pieces backend wraps the compile's: a
+    # backend object per block in the key would keep identical blocks apart (12
+    # regions for 6 blocks, each compiled on its own), while the pieces' checkpoint
+    # is already in the key, by value (``_region_key``).
+    key = _region_key(module, decision, kwargs)
     backend: CheckpointPieces | None = None
     if decision.pieces and checkpoint_fn is not None:
         # Not traced: each graph piece dynamo cuts the region into carries it (see ``pieces``).
@@ -237,11 +242,10 @@ def _region_forward(
         _pieces_of_region(backend, label, pieces)
         region = _private_region(own, checkpoint_fn, label)
         return compile_fn(region, **_failing_open(instrument(kwargs, label), label)), label
-    key = _region_key(module, decision, kwargs)
     _shared = run.shared_regions
     if key not in _shared:
         label = _label(decision.path, module)
-        _pieces_of_region(backend, label, pieces)
+        _pieces_of_region(backend, label, None)
         _shared[key] = (
             compile_fn(
                 on_own_code(type(module).forward, label, through_wrappers=True)
@@ -250,8 +254,11 @@ def _region_forward(
                 **_failing_open(instrument(kwargs, label), label),
             ),
             label,
+            backend,
         )
-    compiled, label = _shared[key]
+    compiled, label, shared_backend = _shared[key]
+    # Every block of the kind measures through the one backend its graphs were cut by.
+    _pieces_of_region(shared_backend, label, pieces)
     return functools.partial(compiled, module), label
 
 
