@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import autoweave
 from autoweave import __main__ as cli
+from autoweave import _compat
 from autoweave.cli import doctor, explainer
 from tests.models import Block
 
@@ -73,7 +74,13 @@ def test_load_object_errors_are_clear() -> None:
         explainer.load_object("nowhere/missing.py:f")
 
 
-def test_explain_bad_factory_exits_2() -> None:
+def test_explain_bad_factory_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = _explain(capsys, f"{EXAMPLE}:NoSuchThing")
+    assert (status, out) == (2, "") and "AttributeError" in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # the same through `python -m autoweave` (whose wiring the known-plan test runs too)
+def test_explain_bad_factory_exits_2_from_the_command_line() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "autoweave", "explain", f"{EXAMPLE}:NoSuchThing"],
         env=_env(), capture_output=True, text=True, timeout=300,
@@ -89,8 +96,78 @@ def test_doctor_names_invalid_settings() -> None:
     assert hard_off[0].status == doctor.FAIL and hard_off[0].fix
 
 
-def test_doctor_versions_are_supported_here() -> None:
-    assert all(c.status == doctor.OK for c in doctor.check_versions())
+class _PythonVersion(tuple):
+    """A stand-in for ``sys.version_info``: compares as a tuple, has major/minor/micro."""
+
+    major = property(lambda self: self[0])
+    minor = property(lambda self: self[1])
+    micro = property(lambda self: self[2])
+
+
+(_LOW, _HIGH) = _compat.TESTED_TORCH
+_NEWER = f"{_HIGH[0]}.{_HIGH[1] + 1}.0"
+_OLDER = f"{_LOW[0]}.{_LOW[1] - 1}.3"
+
+# (torch version, AUTOWEAVE_UNTESTED_TORCH, doctor's verdict, words its title carries)
+_TORCH_CASES = [
+    (f"{_LOW[0]}.{_LOW[1]}.0", "check", doctor.OK, ""),  # the oldest tested release
+    (f"{_HIGH[0]}.{_HIGH[1]}.2+cu128", "check", doctor.OK, ""),  # the newest, a local build
+    (f"{_HIGH[0]}.{_HIGH[1]}.0a0+git1234", "off", doctor.OK, ""),  # tested: the policy does not apply
+    (_OLDER, "check", doctor.FAIL, ""),
+    (f"{_LOW[0] - 1}.{_HIGH[1] + 5}.0", "check", doctor.FAIL, ""),  # an older major, a bigger minor
+    (_NEWER, "check", doctor.WARN, "(newer than tested)"),
+    (_NEWER, "off", doctor.FAIL, "(newer than tested)"),
+    (f"{_HIGH[0] + 1}.0.0", "check", doctor.WARN, "(newer than tested)"),  # a newer major, minor 0
+    ("not-a-version", "check", doctor.FAIL, ""),
+]
+
+
+@pytest.mark.parametrize(
+    "version, untested, status, words", _TORCH_CASES, ids=[f"{c[0]}-{c[1]}" for c in _TORCH_CASES]
+)
+def test_doctor_judges_torch_versions_against_the_tested_range(version, untested, status, words) -> None:
+    check = doctor.check_torch(version, untested=untested)
+    assert (check.status, check.title) == (status, f"torch {version}{' ' + words if words else ''}")
+    if status == doctor.FAIL:
+        assert check.fix, check
+    if status != doctor.OK and version[0].isdigit():
+        assert f"tested: {_LOW[0]}.{_LOW[1]} to {_HIGH[0]}.{_HIGH[1]}" in check.detail
+
+
+def test_doctor_judges_constructed_python_torch_and_wrapt_versions(monkeypatch) -> None:
+    monkeypatch.delenv("AUTOWEAVE_UNTESTED_TORCH", raising=False)
+    installed: dict[str, str | None] = {}
+    monkeypatch.setattr(doctor, "_version", installed.get)
+
+    def verdicts(python: tuple[int, int, int], torch_version: str | None, wrapt: str | None) -> list:
+        installed.update(torch=torch_version, wrapt=wrapt)
+        monkeypatch.setattr(doctor.sys, "version_info", _PythonVersion(python))
+        return [(c.status, c.title) for c in doctor.check_versions()]
+
+    tested = f"{_HIGH[0]}.{_HIGH[1]}.1"
+    assert verdicts((3, 10, 0), tested, "1.14.0") == [
+        (doctor.OK, "Python 3.10.0"),
+        (doctor.OK, f"torch {tested}"),
+        (doctor.OK, "wrapt 1.14.0"),
+    ]
+    assert verdicts((3, 9, 18), _OLDER, "1.13.3") == [
+        (doctor.FAIL, "Python 3.9"),
+        (doctor.FAIL, f"torch {_OLDER}"),
+        (doctor.FAIL, "wrapt 1.13.3"),
+    ]
+    assert verdicts((3, 13, 1), _NEWER, "2.2.0") == [
+        (doctor.OK, "Python 3.13.1"),
+        (doctor.WARN, f"torch {_NEWER} (newer than tested)"),
+        (doctor.FAIL, "wrapt 2.2.0"),  # the release with the descriptor bug
+    ]
+    assert [s for s, _ in verdicts((3, 12, 0), tested, "2.2.1")] == [doctor.OK] * 3
+    assert [s for s, _ in verdicts((3, 11, 4), tested, "10.0")] == [doctor.OK] * 3
+    assert verdicts((3, 11, 4), None, None)[1:] == [
+        (doctor.FAIL, "torch is not installed"),
+        (doctor.FAIL, "wrapt is not installed"),
+    ]
+    monkeypatch.setenv("AUTOWEAVE_UNTESTED_TORCH", "off")
+    assert verdicts((3, 11, 4), _NEWER, "1.17.2")[1] == (doctor.FAIL, f"torch {_NEWER} (newer than tested)")
 
 
 def test_doctor_with_the_start_up_shell_on_the_path_passes() -> None:

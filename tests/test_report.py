@@ -18,7 +18,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 import autoweave
 from autoweave import _log, _state
 from autoweave._settings import Settings
-from autoweave.observe import counting, report, summary
+from autoweave.observe import report, summary
 from benchmarks.measure import forward_gemms_outside_graphs
 from tests.models import Block, RecompileLimitHits, recompiles
 
@@ -89,18 +89,49 @@ def test_plan_log_folds_blocks_and_names_them(weave_on, caplog) -> None:
     assert "  layers.2-3 (2 × Block): same plan as layers.1" in text
 
 
+class _ReferenceBackend:
+    """The test's own count of what dynamo hands a backend (not ``observe.counting``'s).
+
+    Every graph, and its ops: the ``call_function`` nodes of the graph and of the
+    sub-graphs its higher-order ops call (a traced checkpoint's body).
+    """
+
+    def __init__(self) -> None:
+        self.ops_per_graph: list[int] = []
+
+    @staticmethod
+    def _ops(graph_module: torch.fx.GraphModule) -> int:
+        ops = 0
+        for node in graph_module.graph.nodes:
+            if node.op == "call_function":
+                ops += 1
+            elif node.op == "get_attr":
+                target = getattr(graph_module, node.target, None)
+                if isinstance(target, torch.fx.GraphModule):
+                    ops += _ReferenceBackend._ops(target)
+        return ops
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs) -> object:
+        self.ops_per_graph.append(self._ops(gm))
+        return gm.forward  # run what dynamo traced, as it is
+
+
 def test_report_counts_match_a_counting_backend(weave_on, tmp_path) -> None:
     torch.manual_seed(0)
+    counters.clear()
     report.start(str(tmp_path / "r{rank}.json"))
-    model, cap = Stack(), counting.Capture()
-    backend = cap.backend()
+    model, reference = Stack(), _ReferenceBackend()
     for i, block in enumerate(model.layers):
-        model.layers[i] = torch.compile(cw.checkpoint_wrapper(block), backend=backend)
+        model.layers[i] = torch.compile(cw.checkpoint_wrapper(block), backend=reference)
     for _ in range(2):
         model(torch.randn(4, 8)).sum().backward()
     data = report.stop()
-    assert data["totals"]["graphs"] == cap.graph_count > 0
-    assert data["totals"]["ops"] == cap.ops > 0
+    # The report's counts against the graphs the backend itself was handed, and dynamo's own count.
+    graphs, ops = len(reference.ops_per_graph), sum(reference.ops_per_graph)
+    assert graphs == int(counters["stats"]["unique_graphs"]) > 0
+    assert (data["totals"]["graphs"], data["totals"]["ops"]) == (graphs, ops)
+    assert sum(r["graphs"] for r in data["regions"]) == graphs
+    assert sum(r["ops"] for r in data["regions"]) == ops
     assert data["totals"] == {**data["totals"], "modules": 4, "woven": 3}
     assert data["ac_fallbacks"]["count"] == 0
     regions = {r["label"]: r for r in data["regions"]}
@@ -111,6 +142,7 @@ def test_report_counts_match_a_counting_backend(weave_on, tmp_path) -> None:
     assert plan["name"] == "layers.1" and plan["woven"]
     assert {d["path"] for d in plan["decisions"]} == {"layers.1", "layers.1.ffn.experts"}
     summary = report.format_exit_summary(data, "r0.json")
+    assert f"{graphs} graphs, {ops} ops captured" in summary
     assert "checkpointed regions that fell back to eager: 0" in summary
     assert len(summary.splitlines()) <= 20
 
@@ -342,7 +374,14 @@ def test_exit_output_never_raises_when_stderr_was_closed(tmp_path: Path, code: s
     env.update(
         OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), AUTOWEAVE="1", AUTOWEAVE_REPORT=str(tmp_path / "r{rank}.json"),
     )  # fmt: skip
-    prologue = "import autoweave, torch\nassert autoweave.enable()\n"
+    # An exception escaping an atexit callback is "ignored": Python reports it to
+    # sys.unraisablehook, whose default writes to the closed stderr, so nothing would
+    # show and the exit status stays 0. This hook reports it on stdout instead.
+    prologue = (
+        "import os, sys\n"
+        "sys.unraisablehook = lambda u: os.write(1, f'UNRAISABLE {u.err_msg}: {u.exc_value!r}\\n'.encode())\n"
+        "import autoweave, torch\nassert autoweave.enable()\n"
+    )
     with open(err, "w") as fd2:
         proc = subprocess.run(
             [sys.executable, "-c", prologue + code], env=env, stdout=subprocess.PIPE, stderr=fd2,
@@ -350,9 +389,11 @@ def test_exit_output_never_raises_when_stderr_was_closed(tmp_path: Path, code: s
         )  # fmt: skip
     output = proc.stdout + err.read_text()
     assert proc.returncode == 0, output
-    for needle in ("Traceback", "ValueError", "Logging error", "Exception ignored"):
+    for needle in ("UNRAISABLE", "Traceback", "ValueError", "Logging error", "Exception ignored"):
         assert needle not in output, output
     assert json.loads((tmp_path / "r0.json").read_text())["totals"]["modules"] >= 1
+    if code is _SWAP_STDERR:  # the real stderr is open again at exit: the summary reaches it
+        assert output.count("autoweave report (rank 0 of 1)") == 1, output
 
 
 # -- the rank, decided late -----------------------------------------------------------------

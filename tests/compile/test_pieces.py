@@ -142,14 +142,16 @@ class _Recorder:
         )
 
 
-def test_pieces_policy_decides_every_op_as_eager_sac_with_inductor():
+# inductor is slow (a C++ compile per graph); aot_eager traces the same ops for the policy.
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_pieces_policy_decides_every_op_as_eager_sac(backend):
     torch.manual_seed(0)
     block, x = bm.GlueGemmBlock(DIM), torch.randn(TOKENS, DIM)
     eager = _Recorder()
     ref_model = eager.wrap(copy.deepcopy(block))
     ref = _train(ref_model, x, steps=1)
     traced = _Recorder()
-    model = torch.compile(traced.wrap(copy.deepcopy(block)), backend="inductor")
+    model = torch.compile(traced.wrap(copy.deepcopy(block)), backend=backend)
     got = _train(model, x, steps=2)
     assert dispatchers.dispatcher_of(model).plan.decision("").action is Action.PIECES
     torch.testing.assert_close(got["outs"][0], ref["outs"][0], rtol=1e-5, atol=1e-6)

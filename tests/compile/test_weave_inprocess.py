@@ -188,10 +188,12 @@ def test_replans_when_a_boundary_appears_after_the_first_forward():
     assert fallbacks.count == 0
 
 
-def test_32_same_class_leaf_regions_with_different_shapes_never_hit_recompile_limit(caplog):
+# 10 leaves or layers are past dynamo's recompile limit (8) already; 32 (a real model's depth) is slow.
+@pytest.mark.parametrize("n", [10, pytest.param(32, marks=pytest.mark.slow)])
+def test_same_class_leaf_regions_with_different_shapes_never_hit_recompile_limit(caplog, n):
     # Hand-compiling many same-class leaves in place shares one code object and hits the
     # recompile limit (8); each autoweave region has its own code object.
-    dims = [4 + i for i in range(32)]
+    dims = [4 + i for i in range(n)]
 
     class Stack(nn.Module):
         def __init__(self):
@@ -208,7 +210,7 @@ def test_32_same_class_leaf_regions_with_different_shapes_never_hit_recompile_li
     xs = [torch.randn(2, d) for d in dims]
     with caplog.at_level(logging.WARNING), RecompileLimitHits() as hits:
         stack(xs)
-    assert cap.graph_count == 33  # every leaf captured on its own frame, none fell back
+    assert cap.graph_count == n + 1  # every leaf captured on its own frame, none fell back
     assert hits.messages == []  # dynamo's own warning (caplog cannot hear torch's loggers)
     assert "recompile" not in caplog.text.lower()  # nor autoweave's
 
@@ -225,6 +227,7 @@ def test_recompile_limit_listener_hears_plain_torch_hit():
     assert hits.messages, "no recompile-limit warning heard"
 
 
+@pytest.mark.fail_open
 def test_failure_inside_planning_falls_back_with_one_warning(monkeypatch, capsys):
     from autoweave import _state
     from autoweave.planning import planner
@@ -321,13 +324,14 @@ def test_per_module_strategy_override_and_env_strategy(monkeypatch):
     torch.testing.assert_close(got[1][-1], ref[1][-1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("n", [10, pytest.param(32, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("compile_style", ["wrap", "inplace"])
-def test_32_layer_mixed_dense_and_moe_stack_no_fallback_no_recompile_limit(compile_style, caplog):
+def test_layer_mixed_dense_and_moe_stack_no_fallback_no_recompile_limit(compile_style, caplog, n):
     # One block class for dense and MoE layers (as real models do); every MoE layer's
     # experts is a boundary. Plain torch here either falls back per checkpointed block or,
     # hand-woven as AC(Compile(layer)), mixes up layers that share the wrapper's frame.
     torch.manual_seed(0)
-    blocks = [Block(moe=i % 2 == 1) for i in range(32)]
+    blocks = [Block(moe=i % 2 == 1) for i in range(n)]
     ref_stack = nn.Sequential(*[cw.checkpoint_wrapper(b) for b in blocks])
     import copy
 

@@ -6,7 +6,10 @@ One place for the recipe (``benchmarks/startup.py`` imports this file too):
 * ``python -m venv --without-pip`` child environments that see the parent's packages
   (torch, wrapt, pip, hatchling, importlib_metadata) through one ``_parent_paths.pth``
   holding *path lines only*: the parent's own ``.pth`` files are not executed in the
-  child, so an autoweave installed in the parent cannot leak into it;
+  child, so an autoweave installed in the parent cannot leak into it. The lines name
+  the parent's site-packages and, wherever else the parent found them (a ``.pth``
+  line of its own, ``PYTHONPATH``, the user site), the directories that hold those
+  packages (``PARENT_PACKAGES``), so the children see torch however the parent does;
 * install with the parent's pip, run from the child interpreter, ``--no-index``
   (when the parent lacks the build backend, see ``can_build_in_place``, pip's index
   supplies it in an isolated build instead).
@@ -155,8 +158,82 @@ def build_wheel(source: Path, outdir: Path) -> Path:
     return wheels[-1]
 
 
+# What the children import from the parent: torch and what importing torch imports,
+# wrapt, importlib_metadata, and pip with the build backends (hatchling, editables).
+PARENT_PACKAGES = (
+    "torch",
+    "wrapt",
+    "importlib_metadata",
+    "pip",
+    "hatchling",
+    "editables",
+    "typing_extensions",
+    "filelock",
+    "sympy",
+    "mpmath",
+    "networkx",
+    "jinja2",
+    "markupsafe",
+    "fsspec",
+    "numpy",
+)
+
+
+def _directory_holding(name: str) -> str | None:
+    """The ``sys.path`` directory the top-level module ``name`` is found in (not imported), or None."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    locations = list(spec.submodule_search_locations or ())
+    if locations:  # a package: the directory above it
+        return os.path.dirname(os.path.abspath(locations[0]))
+    if spec.origin and os.path.isfile(spec.origin):  # a single-file module
+        return os.path.dirname(os.path.abspath(spec.origin))
+    return None
+
+
 def parent_site_dirs() -> list[str]:
-    return [p for p in site.getsitepackages() if os.path.isdir(p)]
+    """The directories a child sees: the parent's site-packages, then wherever else it found
+    ``PARENT_PACKAGES`` (``site.getsitepackages()`` alone misses a torch reached through a
+    ``.pth`` line). Never the checkout: the children must not import autoweave from it.
+    """
+    dirs = [os.path.abspath(p) for p in site.getsitepackages() if os.path.isdir(p)]
+    checkout = os.path.abspath(REPO_ROOT)
+    for name in PARENT_PACKAGES:
+        directory = _directory_holding(name)
+        if directory is not None and directory not in dirs and directory != checkout:
+            dirs.append(directory)
+    return dirs
+
+
+def console_script(name: str, distribution: str = "torch") -> Path:
+    """The parent's console script ``name`` of ``distribution`` (``torchrun``), wherever it was installed.
+
+    Beside ``sys.executable`` in an ordinary venv; where the distribution's RECORD put it
+    when the parent reaches that distribution through a ``.pth`` line (another
+    environment's ``bin``); else the one on ``PATH``.
+    """
+    from importlib import metadata
+
+    beside = Path(sys.executable).parent / name
+    if beside.is_file():
+        return beside
+    try:
+        files = metadata.distribution(distribution).files or ()
+    except metadata.PackageNotFoundError:
+        files = ()
+    for file in files:
+        if file.name in (name, f"{name}.exe") and file.parent.name in ("bin", "Scripts"):
+            located = Path(str(file.locate())).resolve()
+            if located.is_file():
+                return located
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"no {name} script of {distribution} beside {sys.executable} or on PATH")
+    return Path(found)
 
 
 def site_view(dest: Path, *, without: tuple[str, ...]) -> Path:

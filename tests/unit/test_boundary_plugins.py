@@ -50,6 +50,7 @@ def test_a_plugin_declared_under_the_group_classifies_modules(fresh_plugins: Pat
     assert boundaries.classify(nn.Linear(2, 2)) is None
 
 
+@pytest.mark.fail_open
 def test_a_plugin_that_fails_to_load_is_one_warning_and_planning_goes_on(
     fresh_plugins: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

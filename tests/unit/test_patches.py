@@ -81,6 +81,105 @@ def clean(monkeypatch: pytest.MonkeyPatch):
         _settings.reload(Settings())
 
 
+# -- routing: each patched function hands its call to autoweave (or, switched off, does not) ----
+#
+# What routing leaves behind, seen from outside: a compiled module has a dispatcher
+# (``dispatchers.dispatcher_of``), and an AC wrapper put around a compiled module is
+# watched by that module's dispatcher (``outer``). A wrapper that only passed calls
+# through would leave neither.
+
+
+def _compile_routed() -> bool:
+    linear = nn.Linear(2, 2)
+    compiled = torch.compile(linear, backend="eager")
+    x = torch.randn(3, 2)
+    assert torch.allclose(compiled(x), linear(x))  # routed or not, it computes what the module does
+    return dispatchers.dispatcher_of(compiled) is not None
+
+
+def _module_compile_routed() -> bool:
+    linear = nn.Linear(2, 2)
+    assert linear.compile(backend="eager") is None
+    x = torch.randn(3, 2)
+    assert torch.allclose(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+    return dispatchers.dispatcher_of(linear) is not None
+
+
+def _checkpoint_wrapper_routed() -> bool:
+    # A compiled module autoweave routed (in place, or through torch.compile when that is off).
+    target = nn.Linear(2, 2)
+    target.compile(backend="eager")
+    if dispatchers.dispatcher_of(target) is None:
+        target = torch.compile(nn.Linear(2, 2), backend="eager")
+    dispatcher = dispatchers.dispatcher_of(target)
+    wrapper = cw.checkpoint_wrapper(target)
+    assert isinstance(wrapper, cw.CheckpointWrapper)
+    if dispatcher is None:  # no compile routed either: plain torch, nothing to watch
+        return "forward" in vars(wrapper)  # False unless something else routed the wrapper
+    return dispatcher.outer is not None and dispatcher.outer() is wrapper and "forward" in vars(wrapper)
+
+
+ROUTED = {
+    "compile": _compile_routed,
+    "module_compile": _module_compile_routed,
+    "checkpoint_wrapper": _checkpoint_wrapper_routed,
+}
+
+
+def routed() -> dict[str, bool]:
+    return {name: check() for name, check in ROUTED.items()}
+
+
+def test_every_patch_routes_and_nothing_routes_when_off() -> None:
+    assert routed() == dict.fromkeys(ROUTED, False)  # plain torch: nothing attached
+    autoweave.enable()
+    assert routed() == dict.fromkeys(ROUTED, True)
+    with autoweave.disabled():
+        assert routed() == dict.fromkeys(ROUTED, False)
+    assert routed() == dict.fromkeys(ROUTED, True)
+    autoweave.disable()
+    assert routed() == dict.fromkeys(ROUTED, False)
+
+
+def test_the_disabled_context_stops_checkpoint_wrapper_routing() -> None:
+    autoweave.enable()
+    target = torch.compile(nn.Linear(2, 2), backend="eager")
+    dispatcher = dispatchers.dispatcher_of(target)
+    with autoweave.disabled():
+        wrapper = cw.checkpoint_wrapper(target)
+    assert isinstance(wrapper, cw.CheckpointWrapper) and dispatcher.outer is None
+    assert "forward" not in vars(wrapper)  # torch's wrapper, untouched
+
+
+def test_the_routes_receive_the_call_and_its_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def spy(route):
+        def record(wrapped, instance, args, kwargs):
+            calls.append((route.__name__, wrapped, instance, args, dict(kwargs)))
+            return route(wrapped, instance, args, kwargs)
+
+        return record
+
+    for name in ("route_compile", "route_module_compile", "route_checkpoint_wrapper"):
+        monkeypatch.setattr(routes, name, spy(getattr(routes, name)))
+    autoweave.enable()
+    linear = nn.Linear(2, 2)
+    compiled = torch.compile(linear, backend="eager", dynamic=False)
+    assert [c[0] for c in calls] == ["route_compile"]
+    assert calls[0][1] is ORIGINAL_COMPILE
+    assert calls[0][3] == (linear,) and calls[0][4] == {"backend": "eager", "dynamic": False}
+    calls.clear()
+    linear.compile(backend="eager")
+    # The in-place route compiles the module's _call_impl through torch.compile (a function: passed on).
+    assert calls[0][0] == "route_module_compile" and calls[0][2] is linear
+    assert [c[0] for c in calls[1:]] == ["route_compile"] * (len(calls) - 1)
+    calls.clear()
+    cw.checkpoint_wrapper(compiled)
+    assert [c[0] for c in calls] == ["route_checkpoint_wrapper"]
+    assert calls[0][1] is ORIGINAL_CHECKPOINT_WRAPPER and calls[0][3] == (compiled,)
+
+
 def test_enable_patches_all_three_once() -> None:
     assert autoweave.enable() is True
     assert autoweave.is_enabled()
@@ -158,8 +257,12 @@ def test_revert_leaves_a_foreign_wrapper_on_top() -> None:
         assert cw.checkpoint_wrapper is ORIGINAL_CHECKPOINT_WRAPPER
         assert cw.apply_activation_checkpointing.__defaults__[0] is ORIGINAL_CHECKPOINT_WRAPPER
         assert patches.applied() == []
-        # Theirs still works, through whatever it wrapped.
+        # Theirs still works, through whatever it wrapped; ours under it passes calls straight through.
         assert theirs(lambda x: x + 1, backend="eager")(torch.ones(1)).item() == 2.0
+        assert dispatchers.dispatcher_of(theirs(nn.Linear(2, 2), backend="eager")) is None
+        in_place = nn.Linear(2, 2)
+        in_place.compile(backend="eager")
+        assert dispatchers.dispatcher_of(in_place) is None
     finally:
         torch.compile = ORIGINAL_COMPILE
         nn.Module.compile = ORIGINAL_MODULE_COMPILE
@@ -254,6 +357,8 @@ def test_each_disabled_patch_name_leaves_that_function_alone(name: str) -> None:
     for patch, original in originals.items():
         assert (current[patch] is original) == (patch == name), patch
         assert layers(current[patch]) == (0 if patch == name else 1), patch
+    # The switched-off function is torch's own; the others still route.
+    assert routed() == {patch: patch != name for patch in ROUTED}
 
 
 def test_checkpoint_wrapper_still_wraps() -> None:

@@ -106,11 +106,33 @@ def test_plan_invariants(spec, mode, strategy, fullgraph):
     modules = dict(root.named_modules())
     boundary_paths = [n for n, m in modules.items() if m is not root and boundaries.classify(m)]
     assert [p for p, _ in plan.boundaries] == boundary_paths
-    if not boundary_paths or mode == "off":
-        assert not plan.woven and plan.decisions[0].action is Action.PLAIN
+    # Whether plain torch.compile would trace a checkpoint with a boundary inside (and lose
+    # the checkpointed region): some AC wrapper, the root included, holds a boundary.
+    ac_over_boundary = any(
+        isinstance(m, CheckpointWrapper) and any(boundaries.classify(x) for x in m.modules() if x is not m)
+        for m in modules.values()
+    )
+    if not boundary_paths:
+        expected = "no boundary inside: compiled as plain torch.compile would"
+    elif mode == "off":
+        expected = "weaving is off (mode=off): compiled as plain torch.compile would"
+    elif mode == "auto" and not fullgraph and not ac_over_boundary:
+        expected = "boundaries inside but no checkpoint around them: plain torch.compile splits the graph"
+    else:
+        expected = None  # woven: always weaves at a boundary; fullgraph would fail; auto saves the region
+    if expected is not None:
+        # Unwoven: one decision, the root compiled as plain torch.compile would, saying why.
+        assert not plan.woven and not plan.regions()
+        (decision,) = plan.decisions
+        assert (decision.path, decision.action, decision.module_type) == (
+            "",
+            Action.PLAIN,
+            type(root).__name__,
+        )
+        assert decision.reason.startswith(expected) and plan.headline() == decision.reason
         return
-    if not plan.woven:
-        return
+    assert plan.woven and plan.regions(), plan.decisions
+    assert Action.PLAIN not in {d.action for d in plan.decisions}
     by_path = {d.path: d for d in plan.decisions}
     assert len(by_path) == len(plan.decisions), "one decision per module"
     for d in plan.decisions:
@@ -156,6 +178,52 @@ def _moe_block(ac: str = "full"):
     moe.add_module("experts", boundaries.boundary(nn.Linear(2, 2), "FSDP unit (fully_shard)"))
     block.add_module("moe", moe)
     return checkpoint_wrapper(block) if ac == "full" else _sac(block)
+
+
+def _unshielded_block():
+    """A boundary with no checkpoint anywhere: plain torch.compile splits there and loses nothing."""
+    block = Node()
+    block.add_module("norm", nn.LayerNorm(2))
+    block.add_module("experts", boundaries.boundary(nn.Linear(2, 2), "FSDP unit (fully_shard)"))
+    return block
+
+
+_UNWOVEN = "boundaries inside but no checkpoint around them: plain torch.compile splits the graph there"
+
+
+@pytest.mark.parametrize(
+    "make, mode, fullgraph, reason",
+    [
+        (lambda: nn.Linear(2, 2), "auto", False, "no boundary inside: compiled as plain torch.compile would"),
+        (lambda: checkpoint_wrapper(nn.Linear(2, 2)), "always", True, "no boundary inside"),
+        (lambda: _moe_block("full"), "off", False, "weaving is off (mode=off)"),
+        (lambda: _moe_block("selective"), "off", True, "weaving is off (mode=off)"),
+        (_unshielded_block, "auto", False, _UNWOVEN),
+        (_unshielded_block, "always", False, None),  # always: woven at any boundary
+        (_unshielded_block, "auto", True, None),  # fullgraph: plain would raise at the boundary
+        (lambda: _moe_block("full"), "auto", False, None),  # the checkpointed region is saved
+    ],
+    ids=[
+        "no-boundary",
+        "ac-no-boundary",
+        "off",
+        "off-fullgraph",
+        "no-ac",
+        "no-ac-always",
+        "no-ac-fullgraph",
+        "ac",
+    ],
+)
+def test_each_plan_is_woven_or_plain_with_its_reason(make, mode, fullgraph, reason):
+    module = make()
+    plan = planner.plan(module, mode=mode, fullgraph=fullgraph)
+    if reason is None:
+        assert plan.woven and plan.regions() and plan.decision("").action is not Action.PLAIN
+        assert plan.headline().startswith(f"woven into {len(plan.regions())} compiled regions (mode={mode},")
+        return
+    (decision,) = plan.decisions
+    assert not plan.woven and decision.action is Action.PLAIN and decision.path == ""
+    assert decision.reason.startswith(reason) and plan.headline() == decision.reason
 
 
 def test_full_ac_hoists_and_compiles_the_boundary_inner_forward():
