@@ -1,0 +1,296 @@
+"""Real clients, their own code paths, on the CPU: plain torch against autoweave and each strategy.
+
+Runs the drivers of the real-clients lane (``tests/clients/<client>_worker.py``: accelerate's
+FSDP2 plugin with regional and whole-model compile, the transformers Trainer with
+``torch_compile=True``, torchtitan's ``parallelize_qwen3``, NeMo Automodel's MoE parallelizer
+with its AC and per-layer compile), each in a subprocess (2 gloo ranks under torchrun where the
+client supports it), once per setting: eager (no compile), plain ``torch.compile`` (``AUTOWEAVE``
+unset), autoweave's default (``AUTOWEAVE=1``) and each strategy forced (``AUTOWEAVE_STRATEGY``).
+For each run, printed as one Markdown table per client (and written with ``--json``):
+
+- runs?: trained every step (or the error it raised);
+- AC fallbacks: dynamo's "will fall back to eager-mode PyTorch" messages;
+- compiles / recompiles: dynamo's compile callbacks (``f/n`` with ``n > 0`` is a recompile);
+- graphs / ops: graphs the (aot_eager) backend was handed and their ops;
+- eager fwd GEMMs: GEMMs of one forward run outside compiled graphs (of all the forward's GEMMs);
+- activation memory: the C heap grown across one forward with grad, as a ratio to eager's;
+- bwd GEMMs: GEMMs run in one backward (a dispatch mode, or the profiler where the RNG-preserving
+  checkpoint's higher-order ops defeat the mode; marked ``p``);
+- max rel loss diff: the largest relative difference of a step's loss from eager's;
+- first step: seconds (compile included);
+- report: with ``AUTOWEAVE_REPORT``, the report's headline (modules planned/woven, graphs, ops,
+  recompiles, fallbacks, fail-open counts), beside the profiler's count.
+
+    python benchmarks/clients.py [--clients accelerate,trainer,torchtitan,nemo] [--json out.json]
+
+Needs the lane's venv (``.ci/clients`` builds it in ``build/clients-venv``); a client whose
+package is missing is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests" / "clients"))
+import _runner  # noqa: E402  tests/clients/_runner.py
+
+STRATEGIES = ("plain", "autoweave", "hoist", "pieces")
+
+# client -> (package, [(table, worker, worker args, nproc, settings)])
+CLIENTS: dict[str, tuple[str, list[tuple[str, str, list[str], int, tuple[str, ...]]]]] = {
+    "accelerate": (
+        "accelerate",
+        [
+            (
+                "accelerate FSDP2 + regional compile, Qwen3-MoE 3 layers",
+                "accelerate_worker",
+                ["--layers", "3", "--measure"],
+                2,
+                STRATEGIES,
+            ),
+            (
+                "accelerate FSDP2 + whole-model compile, 3 layers",
+                "accelerate_worker",
+                ["--layers", "3", "--compile", "whole", "--measure"],
+                2,
+                ("plain", "autoweave"),
+            ),
+            (
+                "accelerate regional, 10 layers, 1 step",
+                "accelerate_worker",
+                ["--layers", "10", "--steps", "1"],
+                2,
+                ("plain", "autoweave"),
+            ),
+            (
+                "accelerate regional, a no_grad forward first, 1 step",
+                "accelerate_worker",
+                ["--layers", "3", "--steps", "1", "--nograd"],
+                2,
+                ("plain", "autoweave"),
+            ),
+        ],
+    ),
+    "trainer": (
+        "transformers",
+        [
+            (
+                "Trainer torch_compile=True + gradient checkpointing, Qwen3-MoE 2 layers",
+                "trainer_worker",
+                [],
+                1,
+                ("plain", "autoweave"),
+            )
+        ],
+    ),
+    "torchtitan": (
+        "torchtitan",
+        [
+            (
+                "torchtitan parallelize_qwen3 (selective AC, fullgraph per block, FSDP2), 10 layers",
+                "torchtitan_worker",
+                ["--layers", "10", "--measure"],
+                2,
+                ("plain", "autoweave", "autoweave+report"),
+            )
+        ],
+    ),
+    "nemo": (
+        "nemo_automodel",
+        [
+            (
+                "NeMo DeepSeek-V3 (1 dense + 2 MoE), selective AC, bf16",
+                "nemo_worker",
+                ["--measure"],
+                2,
+                STRATEGIES,
+            ),
+            (
+                "NeMo DeepSeek-V3, selective AC, fp32",
+                "nemo_worker",
+                ["--dtype", "fp32", "--measure"],
+                2,
+                ("plain", "autoweave"),
+            ),
+            (
+                "NeMo DeepSeek-V3, 'full' AC (router-saving policy, block compiled in place)",
+                "nemo_worker",
+                ["--ac", "full"],
+                2,
+                STRATEGIES,
+            ),
+        ],
+    ),
+}
+
+
+def _eager_args(worker: str, args: list[str]) -> list[str]:
+    if worker == "accelerate_worker":
+        out, skip = [], False
+        for a in args:  # drop any --compile <how>
+            if skip:
+                skip = False
+                continue
+            if a == "--compile":
+                skip = True
+                continue
+            out.append(a)
+        return out + ["--compile", "none"]
+    if worker == "trainer_worker":
+        return args + ["--eager"]
+    return args + ["--no-compile"]
+
+
+def _report_headline(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    return {
+        "modules": data["totals"]["modules"],
+        "woven": data["totals"]["woven"],
+        "graphs": data["totals"]["graphs"],
+        "ops": data["totals"]["ops"],
+        "dynamo_graphs": data["dynamo"]["unique_graphs"],
+        "recompiles": data["dynamo"]["recompiles"],
+        "recompile_limit_hits": len(data["dynamo"]["recompile_limit_hits"]),
+        "fallbacks": data["ac_fallbacks"]["count"],
+        "woven_around": data["ac_fallbacks"]["woven_around"],
+        "swallowed": data["swallowed"],
+    }
+
+
+def measure(table: str, worker: str, args: list[str], nproc: int, setting: str, tmp: Path) -> dict[str, Any]:
+    env: dict[str, str] = {}
+    key, wargs = setting, list(args)
+    if setting == "eager":
+        key, wargs = "plain", _eager_args(worker, args)
+    elif setting == "autoweave+report":
+        key = "autoweave"
+    report = tmp / f"{worker}-{abs(hash((table, setting)))}-r{{rank}}.json"
+    # Every autoweave run writes its report, but torchtitan's plain "autoweave" row: it checks
+    # that autoweave prints nothing there ("autoweave+report" is the same run with the report).
+    with_report = key != "plain" and not (worker == "torchtitan_worker" and setting == "autoweave")
+    if with_report:
+        env["AUTOWEAVE_REPORT"] = str(report)
+    run = _runner.run_worker(worker, key, wargs, nproc=nproc, env=env, timeout=900)
+    row: dict[str, Any] = dict(run.result or {})
+    row.update(table=table, setting=setting, worker_setting=row.get("setting"), ok=run.ok, wall_s=run.wall_s)
+    row["worker_wall_s"] = (run.result or {}).get("wall_s")
+    row["command"] = run.command()
+    if not run.ok:
+        row.setdefault("error", (run.stderr.strip().splitlines() or ["no result"])[-1][:300])
+    row["report"] = _report_headline(Path(str(report).format(rank=0))) if with_report else None
+    row["autoweave_lines"] = sorted(
+        {ln.split("]", 1)[-1][:160] for ln in run.stderr.splitlines() if "autoweave[" in ln}
+    )
+    return row
+
+
+def _fmt_row(row: dict[str, Any], eager: dict[str, Any] | None) -> str:
+    def g(k: str) -> Any:
+        v = row.get(k)
+        return "-" if v is None else v
+
+    if not row.get("ok"):
+        err = str(row.get("error", "")).replace("|", "/")[:110]
+        return f"| {row['setting']} | **no**: {err} | | | | | | | | | {g('wall_s')} |"
+    total = (row.get("fwd_gemms_eager") or 0) + (row.get("fwd_gemms_compiled") or 0)
+    gemms = f"{row['fwd_gemms_eager']} of {total}" if row.get("fwd_gemms_eager") is not None else "-"
+    mem = "-"
+    if eager and eager.get("act_bytes") and row.get("act_bytes") is not None:
+        mem = f"{row['act_bytes'] / eager['act_bytes']:.2f}x"
+    bwd = (
+        "-"
+        if row.get("bwd_gemms") is None
+        else f"{row['bwd_gemms']}{' p' if row.get('bwd_gemms_by') == 'profiler' else ''}"
+    )
+    diff = "-"
+    if eager and eager.get("losses") and row.get("losses"):
+        d = _runner.max_rel_diff(row["losses"], eager["losses"])
+        diff = "-" if d is None else f"{d:.1e}"
+    rep = row.get("report")
+    rep_s = "-"
+    if rep:
+        sw = ",".join(f"{k} x{v}" for k, v in rep["swallowed"].items()) or "none"
+        rep_s = (
+            f"{rep['woven']}/{rep['modules']} woven, {rep['graphs']} graphs, {rep['ops']} ops, "
+            f"{rep['recompiles']} recompiles, {rep['recompile_limit_hits']} limit hits, "
+            f"{rep['fallbacks']} fallbacks ({rep['woven_around']} woven around), failed open: {sw}"
+        )
+    return (
+        f"| {row['setting']} | yes | {g('fallbacks')} | {g('compiles')} / {g('recompiles')} | {g('graphs')} / {g('ops')} "
+        f"| {gemms} | {mem} | {bwd} | {diff} | {g('first_step_s')} | {g('wall_s')} | {rep_s} |"
+    )
+
+
+HEADER = (
+    "| setting | runs? | AC fallbacks | compiles / recompiles | graphs / ops | eager fwd GEMMs | act. memory vs eager "
+    "| bwd GEMMs | max rel loss diff | first step s | wall s | report |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", default=",".join(CLIENTS))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="aw-clients-bench-") as tmp_s:
+        tmp = Path(tmp_s)
+        for client in [c.strip() for c in args.clients.split(",") if c.strip()]:
+            package, tables = CLIENTS[client]
+            if not _runner.importable(package):
+                print(f"\n{client}: {package} is not installed; skipped (.ci/clients builds the venv)\n")
+                continue
+            for table, worker, wargs, nproc, settings in tables:
+                eager = measure(table, worker, wargs, nproc, "eager", tmp)
+                eager["client"] = client
+                table_rows = [eager]
+                print(
+                    json.dumps({k: eager.get(k) for k in ("table", "setting", "ok", "wall_s")}),
+                    file=sys.stderr,
+                    flush=True,
+                )
+                for setting in settings:
+                    row = measure(table, worker, wargs, nproc, setting, tmp)
+                    row["client"] = client
+                    table_rows.append(row)
+                    print(
+                        json.dumps({k: row.get(k) for k in ("table", "setting", "ok", "wall_s")}),
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                rows.extend(table_rows)
+                print(f"\n### {table}\n\n{HEADER}")
+                for row in table_rows:
+                    print(_fmt_row(row, eager if eager.get("ok") else None))
+                for row in table_rows:
+                    if row.get("autoweave_lines"):
+                        print(f"\n{row['setting']} stderr (autoweave): " + " / ".join(row["autoweave_lines"]))
+                sys.stdout.flush()
+    if args.json:
+        import torch
+
+        meta = {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "clients": args.clients,
+            "wall_s": round(time.time() - start, 1),
+        }
+        Path(args.json).write_text(json.dumps({"settings": meta, "rows": rows}, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
