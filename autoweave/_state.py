@@ -32,7 +32,9 @@ class RunState:
         # memory: kind of block -> what its pieces were measured to hold against eager SAC.
         self.learned_memory: dict[tuple, Any] = {}
         # weave: region key -> (compiled region, label); identical blocks share one.
-        self.shared_regions: dict[tuple, tuple[Any, str, Any]] = {}  # key -> (compiled, label, pieces backend)
+        self.shared_regions: dict[
+            tuple, tuple[Any, str, Any]
+        ] = {}  # key -> (compiled, label, pieces backend)
         # pieces: region label -> what its compile had to do differently (a piece left
         # unchecked, say), for the plan log and the report.
         self.region_notes: dict[str, list[str]] = {}

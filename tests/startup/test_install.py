@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -281,7 +280,9 @@ def test_torchrun_launcher_says_nothing_and_ranks_say_it_once(
     # out; a problem with the settings (the same on every rank) is told once, by rank 0.
     script = probe_dir / "quiet.py"
     script.write_text("import torch  # noqa: F401\n")
-    torchrun = Path(sys.executable).parent / "torchrun"  # the script, run by the venv's python
+    torchrun = venvs.console_script(
+        "torchrun"
+    )  # the script (wherever torch put it), run by the venv's python
     for launcher in (["-m", "torch.distributed.run"], [str(torchrun)]):
         proc = installed_venv.run(
             [*launcher, "--standalone", "--nproc_per_node=2", str(script)],
