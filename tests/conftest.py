@@ -7,6 +7,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# Inductor's C++ builder imports setuptools (through torch.utils.cpp_extension), and
+# setuptools' distutils shim asserts that the standard library's distutils was not imported
+# before it. Which test of a worker's share imports distutils first depends on the order
+# xdist hands them out (CI failed once on it, in an inductor test, alone it passes):
+# setuptools first, so every later ``import distutils`` finds its copy.
+try:
+    import setuptools  # noqa: F401
+except ImportError:  # a venv without setuptools has no shim to trip either
+    pass
+
 
 # -- autoweave on, dynamo and autoweave's state fresh (the in-process tests) -----------------
 # Imported here, after the path is set, so a test run from any directory finds the checkout.
