@@ -285,3 +285,17 @@ def backward_gemms(make_loss: Any) -> tuple[int | None, str]:
         loss.backward()
     outside, inside = measure.eager_gemms(prof)
     return outside + inside, "profiler"
+
+
+def measurements(forward: Any, forward_for_memory: Any, make_loss: Any) -> dict[str, Any]:
+    """The ``--measure`` fields every worker reports: forward GEMMs outside graphs, activations, backward GEMMs."""
+    eager, compiled = gemms_of_forward(forward)
+    _, act = activation_bytes(forward_for_memory)
+    bwd, how = backward_gemms(make_loss)
+    return {
+        "fwd_gemms_eager": eager,
+        "fwd_gemms_compiled": compiled,
+        "act_bytes": act,
+        "bwd_gemms": bwd,
+        "bwd_gemms_by": how,
+    }

@@ -116,15 +116,12 @@ def main() -> None:
                 )
             result["saved_keys"] = len(state) if state else 0
         if args.measure:
-            eager, compiled = _common.gemms_of_forward(lambda: model(input_ids=ids))
-            _, act = _common.activation_bytes(lambda: model(input_ids=ids, labels=ids))
-            bwd, how = _common.backward_gemms(lambda: model(input_ids=ids, labels=ids).loss)
             result.update(
-                fwd_gemms_eager=eager,
-                fwd_gemms_compiled=compiled,
-                act_bytes=act,
-                bwd_gemms=bwd,
-                bwd_gemms_by=how,
+                _common.measurements(
+                    lambda: model(input_ids=ids),
+                    lambda: model(input_ids=ids, labels=ids),
+                    lambda: model(input_ids=ids, labels=ids).loss,
+                )
             )
             opt.zero_grad()
             # after the measuring calls: did they compile anything new?

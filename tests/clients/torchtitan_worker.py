@@ -159,16 +159,7 @@ def main() -> None:
         }
         result.update(metrics.snapshot())
         if args.measure:
-            eager, compiled = _common.gemms_of_forward(forward)
-            _, act = _common.activation_bytes(loss_of)
-            bwd, how = _common.backward_gemms(loss_of)
-            result.update(
-                fwd_gemms_eager=eager,
-                fwd_gemms_compiled=compiled,
-                act_bytes=act,
-                bwd_gemms=bwd,
-                bwd_gemms_by=how,
-            )
+            result.update(_common.measurements(forward, loss_of, loss_of))
             opt.zero_grad()
             result["recompiles_after_measure"] = metrics.snapshot()["recompiles"]
         return result

@@ -99,11 +99,12 @@ def main() -> None:
         result["compiled"] = type(wrapped).__name__
         ids = torch.stack([data[0]["input_ids"], data[1]["input_ids"]])  # the training batch's shape
         wrapped.train()
-        eager, compiled = _common.gemms_of_forward(lambda: wrapped(input_ids=ids))
-        _, act = _common.activation_bytes(lambda: wrapped(input_ids=ids, labels=ids))
-        bwd, how = _common.backward_gemms(lambda: wrapped(input_ids=ids, labels=ids).loss)
         result.update(
-            fwd_gemms_eager=eager, fwd_gemms_compiled=compiled, act_bytes=act, bwd_gemms=bwd, bwd_gemms_by=how
+            _common.measurements(
+                lambda: wrapped(input_ids=ids),
+                lambda: wrapped(input_ids=ids, labels=ids),
+                lambda: wrapped(input_ids=ids, labels=ids).loss,
+            )
         )
         result["recompiles_after_measure"] = metrics.snapshot()["recompiles"]
         return result
