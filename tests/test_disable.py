@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import _installs, _state
+from autoweave import _installs
 from autoweave.dispatch import dispatchers
 from tests.models import Block
 
@@ -90,18 +90,6 @@ def test_disable_leaves_torch_and_logging_as_before_enable(
 # -- modules compiled while autoweave was on, after disable() (in this process) ---------------
 
 
-@pytest.fixture
-def on_then_off():
-    """autoweave on for the test's compiles; the test calls disable() itself; off afterwards."""
-    torch._dynamo.reset()
-    _state.reset()
-    assert autoweave.enable()
-    yield
-    autoweave.disable()
-    _state.reset()
-    torch._dynamo.reset()
-
-
 def _train(model: nn.Module, x: torch.Tensor, steps: int = 2) -> list[torch.Tensor]:
     """Outputs and gradients of ``steps`` training steps (gradients cleared after each)."""
     got = []
@@ -121,7 +109,7 @@ def _assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
-def test_compiled_before_disable_and_first_called_after_runs_as_plain_torch(on_then_off, how: str) -> None:
+def test_compiled_before_disable_and_first_called_after_runs_as_plain_torch(weave_on, how: str) -> None:
     from autoweave.observe import counting
 
     torch.manual_seed(0)
@@ -143,7 +131,7 @@ def test_compiled_before_disable_and_first_called_after_runs_as_plain_torch(on_t
     assert fallbacks.count >= 1
 
 
-def test_woven_before_disable_keeps_its_plan_and_its_results(on_then_off) -> None:
+def test_woven_before_disable_keeps_its_plan_and_its_results(weave_on) -> None:
     from autoweave.observe import counting
 
     torch.manual_seed(0)
@@ -161,7 +149,7 @@ def test_woven_before_disable_keeps_its_plan_and_its_results(on_then_off) -> Non
     _assert_same(first + after, want)
 
 
-def test_disable_removes_the_gate_of_a_wrapper_whose_block_has_not_woven(on_then_off) -> None:
+def test_disable_removes_the_gate_of_a_wrapper_whose_block_has_not_woven(weave_on) -> None:
     torch.manual_seed(0)
     block, x = Block(), torch.randn(4, 8)
     want = _train(copy.deepcopy(block), x)
@@ -188,7 +176,7 @@ def _selective() -> dict:
     return {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
 
 
-def test_disable_keeps_the_gate_of_a_wrapper_whose_block_is_woven(on_then_off) -> None:
+def test_disable_keeps_the_gate_of_a_wrapper_whose_block_is_woven(weave_on) -> None:
     # Selective AC around the compile: the plan moved the checkpoint into the regions and
     # the gate skips the wrapper's own; removing the gate would checkpoint twice.
     torch.manual_seed(0)
@@ -206,7 +194,7 @@ def test_disable_keeps_the_gate_of_a_wrapper_whose_block_is_woven(on_then_off) -
     assert dispatcher.woven
 
 
-def test_enable_disable_twice_in_one_process_leaves_no_install(on_then_off) -> None:
+def test_enable_disable_twice_in_one_process_leaves_no_install(weave_on) -> None:
     from autoweave.dispatch import patches
 
     autoweave.disable()
