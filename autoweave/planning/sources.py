@@ -68,7 +68,7 @@ def _user_module(module: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def _attribute_lines(code: Any) -> dict[str, int]:
+def attribute_lines(code: Any) -> dict[str, int]:
     """First line on which ``code`` loads each attribute name (``self.experts`` -> 'experts')."""
     lines: dict[str, int] = {}
     line = code.co_firstlineno
@@ -107,7 +107,7 @@ def call_site(parent: Any, name: str) -> str | None:
         code = _code_of(forward) if forward is not None else None
         if code is None or not is_user_file(code.co_filename):
             continue
-        line = _attribute_lines(code).get(name)
+        line = attribute_lines(code).get(name)
         if line is not None:
             return f"{code.co_filename}:{line}"
     return None

@@ -20,7 +20,7 @@ from autoweave._failopen import GraphGuard
 from autoweave._instances import install_forward, restore_forward
 from autoweave._log import logger
 from autoweave._state import run
-from autoweave.planning import memory
+from autoweave.planning import memory, sources
 from autoweave.planning.boundaries import own_forward, user_forward
 from autoweave.planning.planner import Action, Plan
 from autoweave.weave.code_copy import on_own_code
@@ -154,17 +154,15 @@ def _constants_read(module: nn.Module) -> tuple:
 @functools.lru_cache(maxsize=512)
 def _attributes_read(cls: type) -> frozenset[str]:
     """Attribute names the class's forward loads (through decorators' ``__wrapped__``)."""
-    import dis
-
     names: set[str] = set()
     fn = getattr(cls, "forward", None)
     for _ in range(8):
         code = getattr(fn, "__code__", None)
         if code is None:
             break
-        names.update(i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_ATTR", "LOAD_METHOD"))
+        names.update(sources.attribute_lines(code))
         fn = getattr(fn, "__wrapped__", None)
-    return frozenset(n for n in names if isinstance(n, str))
+    return frozenset(names)
 
 
 def _label(path: str, module: nn.Module) -> str:
