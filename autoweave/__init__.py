@@ -131,10 +131,11 @@ def plan(
     module: "nn.Module", *, fullgraph: bool = False, mode: str | None = None, strategy: str | None = None
 ) -> "Plan":
     """The plan autoweave would apply to ``torch.compile(module)`` now, without compiling."""
-    from autoweave.planning import planner
+    from autoweave.planning import planner, traced_contexts
 
     mode, strategy = _settings.mode_and_strategy(module, mode, strategy)
-    return planner.plan(module, mode=mode, strategy=strategy, fullgraph=fullgraph)
+    untraceable = traced_contexts.known(module, strategy=strategy, mode=mode)
+    return planner.plan(module, mode=mode, strategy=strategy, fullgraph=fullgraph, untraceable=untraceable)
 
 
 def explain(model_or_factory: "Any", **options: "Any") -> str:

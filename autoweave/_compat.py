@@ -847,6 +847,17 @@ def observe_sac_policy(contexts: Any, observe: Callable[[Callable[..., Any]], Ca
     return True
 
 
+def is_dispatch_mode(value: Any) -> bool:
+    """Is ``value`` a ``TorchDispatchMode`` (what a traced checkpoint needs its ``context_fn`` to return)?"""
+    mode_cls = _optional("torch.utils._python_dispatch.TorchDispatchMode")
+    return mode_cls is not None and isinstance(value, mode_cls)
+
+
+def selective_contexts_factory() -> Any:
+    """torch's ``create_selective_checkpoint_contexts`` (None on a torch without it)."""
+    return _optional("torch.utils.checkpoint.create_selective_checkpoint_contexts")
+
+
 def fake_tensor_mode() -> Any:
     """A fresh ``FakeTensorMode`` of autoweave's own (no shape env: static shapes), for inspecting a graph.
 

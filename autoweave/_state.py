@@ -31,6 +31,8 @@ class RunState:
         self.learned_breaks: dict[Any, str] = {}
         # memory: kind of block -> what its pieces were measured to hold against eager SAC.
         self.learned_memory: dict[tuple, Any] = {}
+        # traced_contexts: id(context_fn) -> (context_fn, why a traced checkpoint cannot take it, or None).
+        self.context_verdicts: dict[int, tuple[Any, str | None]] = {}
         # weave: region key -> (compiled region, label); identical blocks share one.
         self.shared_regions: dict[
             tuple, tuple[Any, str, Any]

@@ -6,6 +6,7 @@ Every block maps ``(batch, dim) -> (batch, dim)`` and holds its experts in ``sel
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -56,6 +57,27 @@ def titan_context_fn():
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+def wrapped_context_fn():
+    """NeMo Automodel-style: torch's SAC contexts, the recompute one inside an ordinary context manager.
+
+    NeMo's ``apply_ac`` wraps them so (its gate's expert-load buffer is swapped around the
+    recompute). Eager checkpoints take it; a checkpoint traced inside a compiled graph cannot
+    (it needs two ``TorchDispatchMode``s).
+    """
+    forward, recompute = create_selective_checkpoint_contexts(save_matmuls)
+    wrapped_context_fn.calls += 1
+
+    @contextlib.contextmanager
+    def around_recompute():
+        with recompute:
+            yield
+
+    return forward, around_recompute()
+
+
+wrapped_context_fn.calls = 0
 
 
 # name -> the context_fn of a selective-AC policy

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from autoweave import _compat
 from autoweave.observe import summary
-from autoweave.planning import boundaries, planner
+from autoweave.planning import boundaries, planner, traced_contexts
 
 SIMULATED = "FSDP unit (fully_shard, simulated)"
 DEFAULT_SHARD = ("experts",)
@@ -280,7 +280,10 @@ def explain(
         how = f"{where}; {ac} AC per block, FSDP units (simulated): {units}"
     entries = []
     for name, target in targets:
-        plan = planner.plan(target, mode=mode, strategy=strategy, fullgraph=fullgraph)
+        untraceable = traced_contexts.known(target, strategy=strategy, mode=mode)
+        plan = planner.plan(
+            target, mode=mode, strategy=strategy, fullgraph=fullgraph, untraceable=untraceable
+        )
         entries.append(summary.Entry(name=name, type_name=summary.inner_type(target), plan=plan))
     head = f"autoweave explain: {type(model).__name__} on meta; {how}; torch.compile(block) per block"
     return head + "\n" + summary.format_summary(entries)

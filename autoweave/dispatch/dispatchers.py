@@ -21,7 +21,7 @@ from autoweave._failopen import AutoweaveError, FailedFrames, _strict, frames_fa
 from autoweave._log import logger
 from autoweave._state import run as _run
 from autoweave.observe import counting, graph_breaks, report, summary
-from autoweave.planning import learned_breaks, memory, planner, tree_changes
+from autoweave.planning import learned_breaks, memory, planner, traced_contexts, tree_changes
 from autoweave.weave import apply
 
 
@@ -384,6 +384,9 @@ class _Dispatcher:
         outer = self.outer() if self.outer is not None else None
         options["breaks"] = {**learned_breaks.known(self.target), **options.get("breaks", {})}
         options["measured"] = memory.known(self.target)
+        options["untraceable"] = traced_contexts.known(
+            self.target, outer, strategy=options.get("strategy", "auto"), mode=options.get("mode", "auto")
+        )
         return planner.plan(
             self.target,
             fullgraph=bool(self.compile_kwargs.get("fullgraph")),

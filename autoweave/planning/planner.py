@@ -201,12 +201,15 @@ class _Tree:
         classify: Classifier,
         breaks: dict[int, str] | None = None,
         measured: dict[int, str] | None = None,
+        untraceable: dict[int, str] | None = None,
     ) -> None:
         self.classify = classify
         # Modules dynamo was seen breaking in (id -> reason): boundaries of this plan.
         self.breaking = dict(breaks or {})
         # Selective-AC wrappers whose pieces were measured holding more than eager SAC (id -> why).
         self.measured = dict(measured or {})
+        # Checkpoints (by id of their checkpoint_fn) whose context_fn a traced checkpoint cannot take.
+        self.untraceable = dict(untraceable or {})
         self._kind: dict[int, str | None] = {}
         self._has: dict[int, bool] = {}
 
@@ -418,6 +421,13 @@ class _Planner:
             where = f"{unit}, hooks eager; {where}"
         strategy = self.strategy
         measured = self.tree.measured.get(id(module)) if strategy == "auto" else None
+        # A context_fn that a traced checkpoint cannot take (``traced_contexts``): no
+        # strategy that moves the checkpoint into compiled graphs can run this block.
+        untraceable = (
+            self.tree.untraceable.get(id(spec.checkpoint_fn))
+            if strategy in ("auto", "pieces", "push-down")
+            else None
+        )
         if strategy == "auto":
             # Full AC: eager AC around a compile that splits captures everything
             # and recomputes compiled. A selective policy must see the ops it was
@@ -425,6 +435,8 @@ class _Planner:
             # its pieces were measured holding more than eager selective AC would
             # (``memory``): then eager AC stays around the compile, as for full AC.
             strategy = "pieces" if (spec.selective or not spec.known) and measured is None else "hoist"
+        if untraceable is not None:
+            strategy = "hoist"
         if strategy == "pieces" and not spec.known:
             strategy = "push-down"  # a custom checkpoint_fn: called as written, around each region
         if strategy in ("pieces", "push-down") and (spec.reentrant or ctx.checkpoint is not None):
@@ -433,7 +445,9 @@ class _Planner:
             strategy = "siblings"
         if strategy == "hoist":
             why = (
-                f" (measured: {measured}; eager AC around the compile holds at most eager SAC's; "
+                f" ({untraceable}: eager AC calls it as the wrapper does)"
+                if untraceable
+                else f" (measured: {measured}; eager AC around the compile holds at most eager SAC's; "
                 "strategy='pieces' keeps the pieces)"
                 if measured
                 else ""
@@ -548,6 +562,7 @@ def plan(
     breaks: dict[int, str] | None = None,
     call_traced: bool = True,
     measured: dict[int, str] | None = None,
+    untraceable: dict[int, str] | None = None,
 ) -> Plan:
     """Decide how to compile ``module`` (the object handed to ``torch.compile``).
 
@@ -573,6 +588,11 @@ def plan(
     ``measured`` names selective-AC wrappers (by ``id``) whose pieces were
     measured holding more activation memory than eager selective AC would,
     with why (``memory.known``): under ``auto`` they are planned with hoist.
+    ``untraceable`` names checkpoints (by ``id`` of their ``checkpoint_fn``)
+    whose ``context_fn`` a checkpoint traced inside a compiled graph cannot
+    take, with why (``traced_contexts.known``): under ``auto``, ``pieces`` and
+    ``push-down`` they are planned with hoist, and an AC outside the compile
+    stays there.
     """
     found_plan = _plan(
         module,
@@ -584,6 +604,7 @@ def plan(
         breaks=breaks,
         call_traced=call_traced,
         measured=measured,
+        untraceable=untraceable,
     )
     target = unwrap(module)
     places = tuple(
@@ -605,10 +626,11 @@ def _plan(
     breaks: dict[int, str] | None,
     call_traced: bool,
     measured: dict[int, str] | None = None,
+    untraceable: dict[int, str] | None = None,
 ) -> Plan:
     check_choice("mode", mode, MODES)
     check_choice("strategy", strategy, STRATEGIES)
-    tree = _Tree(classify or boundaries.classify, breaks, measured)
+    tree = _Tree(classify or boundaries.classify, breaks, measured, untraceable)
     target = unwrap(module)
     found = tuple(
         (name, tree.kind(m) or "")
@@ -625,9 +647,11 @@ def _plan(
         return plain("no boundary inside: compiled as plain torch.compile would")
     if mode == "off":
         return plain("weaving is off (mode=off): compiled as plain torch.compile would")
+    outer_untraceable = None if outer_ac is None else tree.untraceable.get(id(outer_ac.checkpoint_fn))
     if (
         outer_ac is not None
         and not outer_ac.reentrant
+        and outer_untraceable is None
         and (outer_ac.selective or not outer_ac.known or strategy in ("push-down", "pieces"))
     ):
         # AC outside the compile: plain torch splits at the boundary, but an eager
@@ -644,6 +668,11 @@ def _plan(
     # torch.compile(layer) traces that checkpoint; the dispatcher runs __call__ eagerly.
     call_ac = call_traced and own_spec is None and checkpoint_calls.call_checkpoints(target)
     traced_ac = own_spec is not None or call_ac or tree.traced_ac_over_boundary(target)
+    if mode == "auto" and not traced_ac and not fullgraph and outer_untraceable is not None:
+        return plain(
+            "the selective AC around it stays outside the compile, as plain torch runs it "
+            f"({outer_untraceable}); plain torch.compile splits the graph at the boundaries inside"
+        )
     if mode == "auto" and not traced_ac and not fullgraph:
         return plain(
             "boundaries inside but no checkpoint around them: plain torch.compile "

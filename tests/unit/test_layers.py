@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.planning.boundaries",
         "autoweave.planning.learned_breaks",
         "autoweave.planning.memory",
+        "autoweave.planning.traced_contexts",
         "autoweave.planning.planner",
     ),
     # weave/: the side effects, the only code that changes modules.
