@@ -106,6 +106,20 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+# Set on what a backend returns for a graph that runs eager instead of compiled (a piece under
+# its checkpoint, say): the report then counts that graph as eager, with the reason.
+RAN_EAGER = "_autoweave_runs_eager"
+
+
+def runs_eager(fn: Any, why: str) -> Any:
+    """Mark ``fn``, returned by a backend in place of a compiled graph, as running eager (and why)."""
+    try:
+        setattr(fn, RAN_EAGER, why)
+    except (AttributeError, TypeError):  # a bound method, a builtin: cannot carry the mark
+        pass
+    return fn
+
+
 class GraphGuard(_compat.BackendWrapper):
     """A woven region's backend, failing open: a graph the backend fails on runs eager.
 
@@ -138,7 +152,12 @@ class GraphGuard(_compat.BackendWrapper):
                 "that graph runs eager, the rest stays compiled",
                 exc,
             )
-            return gm.forward
+            forward = gm.forward
+
+            def eager(*args: Any) -> Any:
+                return forward(*args)
+
+            return runs_eager(eager, f"the backend failed on it ({why})")
 
 
 class FailedFrames:

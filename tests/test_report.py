@@ -433,3 +433,47 @@ def test_rank_comes_from_the_process_group_and_outlives_it(fresh_rank, tmp_path:
     finally:
         dist.destroy_process_group()
     assert (_log.rank(), _log.world_size()) == (0, 1)  # remembered: the report is written later
+
+
+class _NoCheckpointBackend:
+    """aot_eager, except that a graph holding a checkpoint operator fails (a piece that will not compile)."""
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs) -> object:
+        if any("tag_activation_checkpoint" in str(n.target) for n in gm.graph.nodes):
+            raise RuntimeError("this backend cannot compile a checkpoint")
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+
+@pytest.mark.fail_open
+def test_pieces_that_run_eager_are_not_counted_as_captured(weave_on) -> None:
+    """Pieces that fall back to eager under their checkpoint are reported as such, with why."""
+    from tests import break_models as bm
+
+    torch.manual_seed(0)
+    report.start(None)
+    blocks = [
+        cw.checkpoint_wrapper(bm.GlueGemmBlock(16), context_fn=bm.POLICIES["save-matmuls"]) for _ in range(2)
+    ]
+    model = bm.Stack(blocks, 16)
+    backend = _NoCheckpointBackend()
+    autoweave.set_mode(model, strategy="pieces")
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = torch.compile(layer, backend=backend)
+    x = torch.randn(8, 16)
+    model(x).sum().backward()
+    eager_gemms = forward_gemms_outside_graphs(model, x)
+    data = report.stop()
+    woven = [r for r in data["regions"] if r["kind"] == "woven"]
+    assert woven and sum(r["eager_graphs"] for r in woven) >= 2, woven
+    assert data["totals"]["eager_graphs"] == sum(r["eager_graphs"] for r in woven)
+    # What ran eager is not in the captured count: the captured graphs hold no GEMM of the
+    # blocks, and every block GEMM ran eager.
+    assert eager_gemms > 1
+    reasons = [why for r in woven for why in r["eager_reasons"]]
+    assert any(
+        "ran eager under its checkpoint" in why and "cannot compile a checkpoint" in why for why in reasons
+    )
+    summary_text = report.format_exit_summary(data, None)
+    assert "not captured:" in summary_text and "ran eager" in summary_text

@@ -22,29 +22,47 @@ from autoweave._compat import (  # noqa: F401 - re-exported for the runtime, rep
     RECOMPILE_LIMIT_LOGGER,
     RECOMPILE_LIMIT_NEEDLE,
 )
-from autoweave._failopen import warn_each
+from autoweave._failopen import RAN_EAGER, warn_each
 
 
 @dataclass
 class GraphRecord:
     name: str
     ops: int  # call_function nodes: the ops captured in this graph
+    eager: str | None = None  # why this graph runs eager instead (a piece under its checkpoint, say)
 
 
 @dataclass
 class Capture:
-    """Counts collected by a counting backend."""
+    """Counts collected by a counting backend.
+
+    A graph the backend handed back to run eager (``_failopen.runs_eager``) is
+    recorded apart: it was traced, not compiled, and counts in neither
+    ``graph_count`` nor ``ops``.
+    """
 
     graphs: list[GraphRecord] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
+    def compiled(self) -> list[GraphRecord]:
+        return [g for g in self.graphs if g.eager is None]
+
+    @property
+    def eager(self) -> list[GraphRecord]:
+        return [g for g in self.graphs if g.eager is not None]
+
+    @property
     def graph_count(self) -> int:
-        return len(self.graphs)
+        return len(self.compiled)
 
     @property
     def ops(self) -> int:
-        return sum(g.ops for g in self.graphs)
+        return sum(g.ops for g in self.compiled)
+
+    @property
+    def eager_ops(self) -> int:
+        return sum(g.ops for g in self.eager)
 
     def backend(self, inner: str | Callable[..., Any] = "aot_eager") -> Callable[..., Any]:
         """A dynamo backend that records each graph, then compiles it with ``inner``."""
@@ -60,9 +78,11 @@ class Capture:
                 for node in module.graph.nodes
                 if node.op == "call_function"
             )
+            compiled = compile_inner(gm, example_inputs)
+            name = gm._get_name() if hasattr(gm, "_get_name") else "graph"
             with self._lock:
-                self.graphs.append(GraphRecord(gm._get_name() if hasattr(gm, "_get_name") else "graph", ops))
-            return compile_inner(gm, example_inputs)
+                self.graphs.append(GraphRecord(name, ops, getattr(compiled, RAN_EAGER, None)))
+            return compiled
 
         return counting
 

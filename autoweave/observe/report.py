@@ -51,6 +51,11 @@ class RegionStats:
             "modules": self.modules,
             "graphs": self.capture.graph_count,
             "ops": self.capture.ops,
+            # Graphs dynamo traced that run eager instead (a piece under its checkpoint, a
+            # graph the backend failed on): not captured, with why.
+            "eager_graphs": len(self.capture.eager),
+            "eager_ops": self.capture.eager_ops,
+            "eager_reasons": dict(Counter(g.eager for g in self.capture.eager if g.eager).most_common()),
             "compiles": self.compiles,
             "recompiles": self.recompiles,
             "compile_s": round(self.compile_s, 4),
@@ -243,6 +248,8 @@ class _Stats:
                 "woven": sum(1 for p in plans if p["woven"]),
                 "graphs": sum(r["graphs"] for r in live),
                 "ops": sum(r["ops"] for r in live),
+                "eager_graphs": sum(r["eager_graphs"] for r in live),
+                "eager_ops": sum(r["eager_ops"] for r in live),
                 "compile_s": round(sum(r["compile_s"] for r in live), 4),
                 "backend_s": round(sum(r["backend_s"] for r in live), 4),
             },
@@ -391,13 +398,22 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
         f"{totals['graphs']} graphs, {totals['ops']} ops captured, "
         f"compile {totals['compile_s']:.1f} s (backend {totals['backend_s']:.1f} s)"
     )
+    if totals.get("eager_graphs"):
+        lines.append(
+            f"  not captured: {totals['eager_graphs']} traced graph(s), {totals['eager_ops']} ops, "
+            "run eager instead (below, per region)"
+        )
     for region in sorted(data["regions"], key=lambda r: -r["compile_s"])[:4]:
         where = summary.fold_names(region["modules"]) if region["modules"] else "?"
+        eager = region.get("eager_graphs", 0)
         lines.append(
             f"    {where}: {region['graphs']} graphs, {region['ops']} ops, "
             f"{region['recompiles']} recompiles, {region['compile_s']:.2f} s"
+            + (f", {eager} graph(s) ({region['eager_ops']} ops) ran eager" if eager else "")
             + ("" if region.get("live", True) else " (first call only, replaced by the weave)")
         )
+        for why, count in list(region.get("eager_reasons", {}).items())[:2]:
+            lines.append(f"      x{count}: {why[:160]}")
     lines.append(
         f"  dynamo (whole process): {dyn['unique_graphs']} graphs, {dyn['compiles']} compiles, "
         f"{dyn['recompiles']} recompiles, {dyn['graph_breaks']} graph breaks, "
@@ -433,10 +449,15 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
         )
         for item in fallbacks["messages"][:2]:
             lines.append(f"    x{item['count']}: {item['message'][:100]}")
-        if not totals["woven"]:
+        if not totals["woven"] and not data.get("settings", {}).get("enabled"):
             lines.append(
                 "    these compiles were not woven: with AUTOWEAVE=1 (and outside autoweave.disabled()) "
                 "autoweave compiles around the boundaries"
+            )
+        elif not totals["woven"]:
+            lines.append(
+                "    autoweave was on but wove none of these compiles: the plan above says why for each; "
+                "AUTOWEAVE_MODE=always weaves wherever a boundary is inside"
             )
     elif not around:
         lines.append("  checkpointed regions that fell back to eager: 0")

@@ -55,13 +55,16 @@ class Verdict:
 
     held: int  # bytes the pieces kept for backward
     eager_sac: int | None  # bytes eager selective AC would keep (None: cannot be told)
+    failed: tuple[str, ...] = ()  # why pieces autoweave could not compile ran eager instead
 
     @property
     def hoist(self) -> bool:
-        """Plan the block with ``hoist`` instead: its pieces hold more than eager SAC would."""
-        return self.eager_sac is not None and self.held > self.eager_sac * TOLERANCE
+        """Plan the block with ``hoist`` instead: pieces ran eager, or hold more than eager SAC would."""
+        return bool(self.failed) or (self.eager_sac is not None and self.held > self.eager_sac * TOLERANCE)
 
     def describe(self) -> str:
+        if self.failed:
+            return f"{len(self.failed)} of its pieces ran eager under their checkpoint: {self.failed[0]}"
         if self.eager_sac is None:
             return f"pieces hold {size_text(self.held)} for backward (eager selective AC's could not be told)"
         return (
@@ -239,7 +242,8 @@ class FirstCall:
 
     ``forward`` runs the block without its checkpoint (the pieces carry it);
     ``policy_bytes()`` is what the policy saved while the pieces were traced
-    (None: not known); ``done(verdict)`` is told once, at the first call with
+    (None: not known), ``failed()`` why pieces autoweave could not compile ran
+    eager (a block whose pieces fail is planned with hoist); ``done(verdict)`` is told once, at the first call with
     grad (None: not measured, the caller's saved-tensor hooks were active), and
     is expected to install ``forward`` in place of this object.
     """
@@ -250,10 +254,12 @@ class FirstCall:
         forward: Callable[..., Any],
         policy_bytes: Callable[[], int | None],
         done: Callable[[Verdict | None], None],
+        failed: Callable[[], tuple[str, ...]] = tuple,
     ) -> None:
         self.wrapper = wrapper
         self.forward = forward
         self.policy_bytes = policy_bytes
+        self.failed = failed
         self.done = done
         self.finished = False
 
@@ -274,7 +280,7 @@ class FirstCall:
         saved.leave_out(self.wrapper)
         policy = self.policy_bytes()
         eager_sac = None if policy is None else tensor_bytes((args, kwargs)) + policy
-        verdict = Verdict(saved.total, eager_sac)
+        verdict = Verdict(saved.total, eager_sac, self.failed())
         logger.info("%s: %s", type(self.wrapper).__name__, verdict.describe())
         learn(self.wrapper, verdict)
         self.done(verdict)

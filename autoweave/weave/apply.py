@@ -298,8 +298,11 @@ def _measuring_first_call(
                 backend.note(f"measured: {verdict.describe()}{again}")
         applied._set_forward(module, final())  # the measure steps aside: no cost per call
 
+    def failed() -> tuple[str, ...]:
+        return tuple(why for p in pieces for why in p.failed_pieces)
+
     return memory.FirstCall(
-        module, _without_checkpoint(module), functools.partial(_policy_bytes, pieces), done
+        module, _without_checkpoint(module), functools.partial(_policy_bytes, pieces), done, failed
     )
 
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autoweave import _compat
-from autoweave._failopen import swallowed
+from autoweave._failopen import runs_eager, swallowed
 from autoweave._log import logger
 from autoweave._state import run
 
@@ -186,6 +186,7 @@ class CheckpointPieces:
         self._saved_by_policy: list[list[int | None]] = []
         self._graphs = 0
         self._raised: list[BaseException] = []  # raised by the user's context_fn or policy while tracing
+        self.failed_pieces: list[str] = []  # why each piece autoweave could not compile runs eager
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         if not _has_ops(gm):
@@ -221,7 +222,7 @@ class CheckpointPieces:
                     "its checkpoint, as plain torch runs it",
                     type(exc).__name__,
                 )
-                return self.eager(gm)
+                return self.eager(gm, "the selective-AC policy raised while it was traced")
             # Never a crash plain torch would not have had, nor a checkpoint lost:
             # this piece runs eager under the user's checkpoint, as eager AC would.
             first = (str(exc).strip().splitlines() or [""])[0][:200]
@@ -232,7 +233,9 @@ class CheckpointPieces:
                 f"({type(exc).__name__}: {first}); it runs eager under the same checkpoint",
                 exc,
             )
-            return self.eager(gm)
+            why = f"could not be compiled under its checkpoint ({type(exc).__name__}: {first})"
+            self.failed_pieces.append(why)
+            return self.eager(gm, why)
         finally:
             del self._raised[:]
 
@@ -302,7 +305,7 @@ class CheckpointPieces:
 
         return observed
 
-    def eager(self, gm: Any) -> Callable[..., Any]:
+    def eager(self, gm: Any, why: str) -> Callable[..., Any]:
         """``gm`` run eagerly under torch's checkpoint with the same policy and options."""
         from torch.utils.checkpoint import checkpoint
 
@@ -311,7 +314,7 @@ class CheckpointPieces:
         def run(*args: Any) -> Any:
             return checkpoint(gm, *args, use_reentrant=False, **extra, **self.options)
 
-        return run
+        return runs_eager(run, f"a piece ran eager under its checkpoint: {why}")
 
     def wrap(self, gm: Any) -> Any:
         """A graph module calling ``gm`` under the checkpoint operator, same inputs and outputs."""

@@ -49,6 +49,13 @@ def main() -> None:
     p.add_argument("--ac", choices=("selective", "full", "none"), default="selective")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--backend", default="aot_eager")
+    p.add_argument(
+        "--experts",
+        choices=("torch", "torch_mm"),
+        default="torch",
+        help="NeMo's expert GEMMs: its CPU default, a loop per expert (torch), or its CUDA default, "
+        "torch._grouped_mm (torch_mm)",
+    )
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--measure", action="store_true")
     args = p.parse_args()
@@ -101,7 +108,7 @@ def main() -> None:
             torch_dtype="bfloat16" if args.dtype == "bf16" else "float32",
         )
         torch.manual_seed(0)
-        model = DeepseekV3ForCausalLM(cfg, backend=BackendConfig())
+        model = DeepseekV3ForCausalLM(cfg, backend=BackendConfig(experts=args.experts))
         # Its constructor leaves the weights uninitialised; initialize_weights defaults to
         # buffer_device=cuda:<current>. fp32 master weights (cast to bf16 for compute by NeMo's
         # default MixedPrecisionPolicy with --dtype bf16).

@@ -108,3 +108,29 @@ def test_explain_and_plan_say_hoist_for_a_wrapped_context_fn():
     bm.wrapped_context_fn.calls = 0
     assert traced_contexts.known(block, strategy="siblings") == {}
     assert bm.wrapped_context_fn.calls == 0
+
+
+class _NoCheckpointBackend:
+    """aot_eager, except that a graph holding a checkpoint operator fails: pieces that will not compile."""
+
+    def __call__(self, gm, example_inputs):
+        if any("tag_activation_checkpoint" in str(n.target) for n in gm.graph.nodes):
+            raise RuntimeError("this backend cannot compile a checkpoint")
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+
+@pytest.mark.fail_open
+def test_a_block_whose_pieces_will_not_compile_moves_to_hoist_from_its_next_call():
+    eager = _train(_model(bm.POLICIES["save-matmuls"]))
+    torch._dynamo.reset()
+    model = _model(bm.POLICIES["save-matmuls"])
+    got = _train(model, _NoCheckpointBackend())
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
+    root = dispatchers.dispatcher_of(model.layers[0]).plan.decision("")
+    assert root.action is Action.HOIST, root
+    assert "pieces ran eager under their checkpoint" in root.reason, root.reason
+    # Step 0 ran its pieces eager (told once); from step 1 everything but the head is compiled.
+    assert run.swallowed.get("piece-eager", 0) >= 1
+    assert forward_gemms_outside_graphs(model, torch.randn(TOKENS, DIM)) == 1
