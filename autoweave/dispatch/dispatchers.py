@@ -161,7 +161,7 @@ class _Dispatcher:
     @classmethod
     def attach_in_place(
         cls, module: nn.Module, compile_kwargs: dict[str, Any], plain: Callable[..., Any]
-    ) -> None:
+    ) -> _Dispatcher:
         previous = _instances.dispatcher_of(module)
         if previous is not None:
             previous.retire()  # compiled twice (pipeline stages do): one layer only
@@ -171,6 +171,7 @@ class _Dispatcher:
         # is what plain torch makes: an uncompiled module.
         _compat.set_compiled_call(module, dispatcher.call)
         _instances.attach(module, dispatcher)
+        return dispatcher
 
     # The call path ----------------------------------------------------------------------
 

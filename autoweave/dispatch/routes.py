@@ -70,7 +70,13 @@ def route_module_compile(wrapped: Callable[..., Any], instance: Any, args: tuple
     # errors (a bad backend, conflicting options) raise at .compile(), as without us.
     plain = _compile_function(_compat.call_impl(instance), **report.plain_kwargs(instance, compile_kwargs))
     with guard(f"preparing the weave for {type(instance).__name__}") as failed:
-        _Dispatcher.attach_in_place(instance, compile_kwargs, plain)
+        dispatcher = _Dispatcher.attach_in_place(instance, compile_kwargs, plain)
+        wrapper = _wrapper_of(instance)
+        if wrapper is not None and dispatcher is not None:
+            # The block inside a checkpoint wrapper, compiled in place after the
+            # wrapper was built (NeMo Automodel's per-layer compile): the same AC
+            # outside the compile as checkpoint_wrapper(torch.compile(block)).
+            _gate_outer_ac(dispatcher, wrapper)
     if failed:
         _compat.set_compiled_call(instance, plain)
     return None
@@ -93,6 +99,24 @@ def route_checkpoint_wrapper(wrapped: Callable[..., Any], instance: Any, args: t
     if dispatcher is not None:
         with guard("watching the AC around a compiled module"):
             _gate_outer_ac(dispatcher, wrapper)
+    elif isinstance(target, nn.Module) and isinstance(wrapper, nn.Module):
+        try:
+            _wrappers[target] = weakref.ref(wrapper)  # if the block is compiled in place later
+        except TypeError:
+            pass
+    return wrapper
+
+
+# Blocks (held weakly) -> the checkpoint wrapper built around them, for a later in-place compile.
+_wrappers: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _wrapper_of(block: nn.Module) -> nn.Module | None:
+    """The checkpoint wrapper that still wraps ``block`` (None: none, or it was unwrapped since)."""
+    ref = _wrappers.get(block)
+    wrapper = ref() if ref is not None else None
+    if wrapper is None or _compat.children_of(wrapper).get(_compat.CHECKPOINT_WRAPPED) is not block:
+        return None
     return wrapper
 
 

@@ -668,11 +668,25 @@ def _plan(
     # torch.compile(layer) traces that checkpoint; the dispatcher runs __call__ eagerly.
     call_ac = call_traced and own_spec is None and checkpoint_calls.call_checkpoints(target)
     traced_ac = own_spec is not None or call_ac or tree.traced_ac_over_boundary(target)
-    if mode == "auto" and not traced_ac and not fullgraph and outer_untraceable is not None:
-        return plain(
-            "the selective AC around it stays outside the compile, as plain torch runs it "
-            f"({outer_untraceable}); plain torch.compile splits the graph at the boundaries inside"
+    if outer_ac is not None and not outer_ac.reentrant and not traced_ac:
+        # AC that stays outside an in-place compile (full AC; a context_fn a traced
+        # checkpoint cannot take): plain torch.compile splits the graph at the
+        # boundaries, but compiles on the class's shared code, so one dynamo cache
+        # serves every layer of the class. Its entries for a layer that breaks do not
+        # guard on what differs (the MLP's type), so a dense layer's recompute ran an
+        # MoE layer's graphs and the checkpoint failed (NeMo Automodel's DeepSeek-V3).
+        # The same split, on code of its own per kind of block, keeps them apart.
+        why = "full AC" if outer_untraceable is None else f"selective AC: {outer_untraceable}"
+        planner = _Planner(tree, strategy, fullgraph)
+        planner.split(
+            "",
+            target,
+            _Context(fullgraph, strategy),
+            f"the AC around it stays eager, outside the compile ({why}); compiled on code of its own per "
+            "kind of block, split at the boundaries inside (plain torch.compile would share one dynamo "
+            "cache among every layer of its class, where a recompute can run another layer's graphs)",
         )
+        return Plan(root_type, True, mode, strategy, fullgraph, tuple(planner.out), found)
     if mode == "auto" and not traced_ac and not fullgraph:
         return plain(
             "boundaries inside but no checkpoint around them: plain torch.compile "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -12,6 +13,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 import autoweave
 from autoweave.dispatch import dispatchers
 from autoweave.observe import counting
+from autoweave.planning.planner import Action
 from tests.models import Block, RecompileLimitHits, make_break
 
 
@@ -397,7 +399,47 @@ def test_selective_ac_outside_the_compile_is_moved_inside():
     assert fallbacks.count == 0
     for a, b in zip(got[0] + got[1], ref[0] + ref[1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    # Full AC outside the compile stays exactly plain torch.
+    # Full AC outside the compile stays outside, eager, as in plain torch; the block is split at
+    # the boundary as plain torch splits it, on code of its own per kind of block.
     full = torch.compile(Block(), backend="aot_eager")
     cw.checkpoint_wrapper(full)(x)
-    assert not dispatchers.dispatcher_of(full).plan.woven
+    root = dispatchers.dispatcher_of(full).plan.decision("")
+    assert root.action is Action.SPLIT and "stays eager, outside the compile (full AC)" in root.reason
+
+
+def test_full_ac_around_an_in_place_compile_stays_outside_and_captures_what_plain_does():
+    """checkpoint_wrapper(block), then block.compile() (NeMo Automodel's per-layer compile)."""
+
+    def build():
+        torch.manual_seed(0)
+        return nn.ModuleList(cw.checkpoint_wrapper(Block(moe=i > 0)) for i in range(3))
+
+    def train(layers):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(2):
+            y = x
+            for layer in layers:
+                y = layer(y)
+            loss = y.square().mean()
+            loss.backward()
+            losses.append(loss.item())
+        return losses
+
+    eager = train(build())
+    runs = {}
+    for on in (False, True):
+        torch._dynamo.reset()
+        cap = counting.Capture()
+        layers = build()
+        with contextlib.nullcontext() if on else autoweave.disabled():
+            for wrapper in layers:
+                wrapper._checkpoint_wrapped_module.compile(backend=cap.backend("aot_eager"))
+        runs[on] = (train(layers), cap.graph_count, cap.ops, layers)
+    for on in (False, True):
+        torch.testing.assert_close(runs[on][0], eager, rtol=1e-5, atol=1e-6)
+    # The same capture as plain torch: graphs split at the boundary, nothing else lost.
+    assert runs[True][2] == runs[False][2], (runs[True][1:3], runs[False][1:3])
+    plan = dispatchers.dispatcher_of(runs[True][3][1]._checkpoint_wrapped_module).plan
+    assert plan.woven and plan.decision("").action is Action.SPLIT, plan
+    assert "stays eager, outside the compile (full AC)" in plan.decision("").reason
