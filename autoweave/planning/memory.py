@@ -30,6 +30,7 @@ around the model), nothing is measured: ours would shadow theirs.
 from __future__ import annotations
 
 import threading
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -184,16 +185,67 @@ class SavedBytes:
 # -- what one block taught its kind ---------------------------------------------------------
 
 
-def identity(value: Any) -> Any:
-    """A hashable key for a policy or option value: equal for the same functions, partials and constants."""
+def identity(value: Any, _depth: int = 0) -> Any:
+    """A hashable key for a policy or option value: equal for the same functions, partials and constants.
+
+    Closures made by one factory per block (a ``context_fn`` built per layer, as
+    torchtitan's and NeMo's recipes build them) are equal when they run the same
+    code over equal captured values (``_captured``): blocks that differ only in
+    such a closure then share one compiled region, where a key by object kept
+    every block apart, compiling each on its own.
+    """
+    if _depth > 8:
+        return ("deep", id(value))
     func = getattr(value, "func", None)
     if func is not None:  # functools.partial: the function and its arguments
-        return ("partial", id(func), tuple(identity(a) for a in value.args), identity(value.keywords))
+        return (
+            "partial",
+            identity(func, _depth + 1),
+            tuple(identity(a, _depth + 1) for a in value.args),
+            identity(value.keywords, _depth + 1),
+        )
     if isinstance(value, dict):
-        return tuple(sorted((k, identity(v)) for k, v in value.items()))
+        return tuple(sorted((k, identity(v, _depth + 1)) for k, v in value.items()))
     if isinstance(value, (str, int, float, bool, type(None))):
         return value
+    if isinstance(value, types.FunctionType) and value.__closure__:
+        return (
+            "closure",
+            id(value.__code__),
+            id(value.__globals__),
+            tuple(_captured(cell, _depth + 1) for cell in value.__closure__),
+            _captured_value(value.__defaults__, _depth + 1),
+        )
     return id(value)
+
+
+def _captured(cell: Any, depth: int) -> Any:
+    try:
+        contents = cell.cell_contents
+    except ValueError:  # a cell not filled yet
+        return ("empty",)
+    return _captured_value(contents, depth)
+
+
+def _captured_value(value: Any, depth: int) -> Any:
+    """A captured value's key: constants and frozen collections by value, anything mutable by object.
+
+    A dict, a list or any object a closure captures may be state it changes
+    (a per-block counter): two closures are equal only when they share it. A
+    set (a policy's op list) or tuple is read-only in practice and compared by
+    its items.
+    """
+    if isinstance(value, (tuple, frozenset, set)) and len(value) <= 256:
+        items = [_captured_value(item, depth + 1) for item in value]
+        if isinstance(value, tuple):
+            return ("tuple", tuple(items))
+        try:
+            return ("set", frozenset(items))
+        except TypeError:
+            return id(value)
+    if isinstance(value, dict):
+        return id(value)
+    return identity(value, depth)
 
 
 def kind(wrapper: Any) -> tuple | None:

@@ -10,6 +10,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import autoweave
+from autoweave import _state
 from autoweave.dispatch import dispatchers
 from autoweave.observe import counting
 from tests.break_models import Stack, save_matmuls
@@ -43,3 +44,55 @@ def test_identical_blocks_share_regions_and_graphs(strategy: str) -> None:
     shallow = _compiled(2, strategy)
     deep = _compiled(6, strategy)
     assert deep == shallow, (strategy, shallow, deep)  # labels and compiled graphs flat in depth
+
+
+def _per_block_closure(state: dict | None = None):
+    """A context_fn built per block, as torchtitan's SelectiveAC builds one: a fresh closure each time."""
+    save_ops = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+    def make_policy():
+        counts = {"forward": 0, "recompute": 0}
+
+        def policy(ctx, op, *args, **kwargs):
+            from torch.utils.checkpoint import CheckpointPolicy
+
+            counts["recompute" if ctx.is_recompute else "forward"] += 1
+            return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return policy
+
+    if state is None:
+        return lambda: create_selective_checkpoint_contexts(make_policy())
+    # A closure over per-block state (a dict it may change): never shared.
+    return lambda: (state.setdefault("calls", 0), create_selective_checkpoint_contexts(make_policy()))[1]
+
+
+def _compiled_closures(depth: int, own_state: bool) -> tuple[int, int]:
+    torch._dynamo.reset()
+    _state.reset()  # nothing learned from the previous model
+    torch.manual_seed(0)
+    blocks = [
+        cw.checkpoint_wrapper(Block(), context_fn=_per_block_closure({} if own_state else None))
+        for _ in range(depth)
+    ]
+    model = Stack(blocks, dim=8)
+    autoweave.set_mode(model, strategy="pieces")  # the checkpoint, and so its closure, in the regions
+    cap = counting.Capture()
+    compiled = torch.compile(model, backend=cap.backend())
+    for _ in range(2):
+        compiled(torch.randn(4, 8)).square().mean().backward()
+    labels = set(dispatchers.dispatcher_of(compiled)._applied.regions.values())
+    return len(labels), cap.graph_count
+
+
+def test_blocks_with_a_closure_each_for_their_policy_share_regions() -> None:
+    shallow = _compiled_closures(2, own_state=False)
+    deep = _compiled_closures(6, own_state=False)
+    assert deep == shallow, (shallow, deep)
+
+
+def test_closures_over_per_block_state_are_not_shared() -> None:
+    shallow = _compiled_closures(2, own_state=True)
+    deep = _compiled_closures(6, own_state=True)
+    # Each block its own regions (the block's and its experts'), compiled on their own.
+    assert deep[0] > shallow[0] and deep[1] > shallow[1], (shallow, deep)
