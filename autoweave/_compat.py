@@ -847,6 +847,14 @@ def observe_sac_policy(contexts: Any, observe: Callable[[Callable[..., Any]], Ca
     return True
 
 
+def autograd_sequence_nr(node: Any) -> int | None:
+    """The creation number autograd gave ``node`` (per thread, increasing); None where it cannot be read."""
+    try:
+        return int(node._sequence_nr())
+    except Exception:
+        return None
+
+
 def is_dispatch_mode(value: Any) -> bool:
     """Is ``value`` a ``TorchDispatchMode`` (what a traced checkpoint needs its ``context_fn`` to return)?"""
     mode_cls = _optional("torch.utils._python_dispatch.TorchDispatchMode")

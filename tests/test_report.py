@@ -125,6 +125,7 @@ def test_report_counts_match_a_counting_backend(weave_on, tmp_path) -> None:
         model.layers[i] = torch.compile(cw.checkpoint_wrapper(block), backend=reference)
     for _ in range(2):
         model(torch.randn(4, 8)).sum().backward()
+    outside = forward_gemms_outside_graphs(model, torch.randn(4, 8))
     data = report.stop()
     # The report's counts against the graphs the backend itself was handed, and dynamo's own count.
     graphs, ops = len(reference.ops_per_graph), sum(reference.ops_per_graph)
@@ -141,6 +142,10 @@ def test_report_counts_match_a_counting_backend(weave_on, tmp_path) -> None:
     plan = data["plans"][1]
     assert plan["name"] == "layers.1" and plan["woven"]
     assert {d["path"] for d in plan["decisions"]} == {"layers.1", "layers.1.ffn.experts"}
+    # This backend runs what dynamo traced as it is (no AOTAutograd graph): by autograd's record of
+    # step 2, as by the profiler's, every GEMM ran outside a compiled graph.
+    assert data["measured"]["modules"] == 4, data["measured"]
+    assert data["measured"]["eager_gemms"] == outside > 0, (data["measured"], outside)
     summary = report.format_exit_summary(data, "r0.json")
     assert f"{graphs} graphs, {ops} ops captured" in summary
     assert "checkpointed regions that fell back to eager: 0" in summary
@@ -458,11 +463,12 @@ def test_pieces_that_run_eager_are_not_counted_as_captured(weave_on) -> None:
     ]
     model = bm.Stack(blocks, 16)
     backend = _NoCheckpointBackend()
-    autoweave.set_mode(model, strategy="pieces")
     for i, layer in enumerate(model.layers):
+        autoweave.set_mode(layer, strategy="pieces")  # kept: under auto the block would move to hoist
         model.layers[i] = torch.compile(layer, backend=backend)
     x = torch.randn(8, 16)
-    model(x).sum().backward()
+    for _ in range(3):
+        model(x).sum().backward()
     eager_gemms = forward_gemms_outside_graphs(model, x)
     data = report.stop()
     woven = [r for r in data["regions"] if r["kind"] == "woven"]
@@ -477,3 +483,9 @@ def test_pieces_that_run_eager_are_not_counted_as_captured(weave_on) -> None:
     )
     summary_text = report.format_exit_summary(data, None)
     assert "not captured:" in summary_text and "ran eager" in summary_text
+    # The headline, measured from autograd's record of one call per compiled module, against the
+    # profiler's count of the same forward (which also counts the head, outside every compile).
+    assert data["measured"]["modules"] == 2, data["measured"]
+    assert data["measured"]["eager_gemms"] == eager_gemms - 1, (data["measured"], eager_gemms)
+    assert data["measured"]["fully_compiled"] == 0
+    assert "forward GEMMs ran outside compiled graphs" in summary_text

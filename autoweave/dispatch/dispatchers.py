@@ -145,6 +145,12 @@ class _Dispatcher:
             )
             self.state = state
             self.history.append((state, why))
+            # The report (when on) measures one steady call of what now runs.
+            if state is State.WOVEN:
+                report.measure_next_call(self, "_eager")
+            elif state is State.PLAIN and report.active():
+                self._plain_forward()
+                report.measure_next_call(self, "_plain", skip=1)  # this call compiles: the next one
 
     # How the dispatcher is put in place -------------------------------------------------
 

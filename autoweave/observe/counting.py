@@ -208,3 +208,88 @@ def _add_recompile_filter() -> Callable[[], None]:
     warning = _RecompileLimitWarning()
     log.addFilter(warning)
     return lambda: log.removeFilter(warning)
+
+
+# -- forward GEMMs outside compiled graphs, from autograd's record ---------------------------
+#
+# Every GEMM run eagerly with grad leaves its own node in the autograd graph
+# (``MmBackward0``, ``AddmmBackward0``...); a compiled graph leaves one
+# ``CompiledFunctionBackward``, whatever it holds. So the nodes a forward
+# created say how many of its GEMMs ran outside compiled graphs, and nothing
+# is added to the run to learn it: no dispatch mode, no profiler, no hook.
+# The nodes created by one call are those numbered after a probe node made
+# just before it (autograd numbers nodes in creation order, per thread). A
+# grouped GEMM (``torch._grouped_mm``) is one node, as it is one kernel on a
+# GPU; the CPU profiler sees one ``mm`` per group. GEMMs under a reentrant
+# checkpoint hide in its one node and are not seen.
+
+GEMM_NODES = frozenset(
+    {
+        "MmBackward0",
+        "AddmmBackward0",
+        "BmmBackward0",
+        "BaddbmmBackward0",
+        "AddbmmBackward0",
+        "MvBackward0",
+        "AddmvBackward0",
+        "LinearBackward0",
+        "_GroupedMmBackward0",
+        "GroupedMmBackward0",
+        "_ScaledMmBackward0",
+    }
+)
+_COMPILED_NODE = "CompiledFunction"
+_MAX_NODES = 200_000
+
+
+def autograd_mark() -> int | None:
+    """autograd's node number now (a probe node's): nodes a later call creates are numbered above it."""
+    import torch
+
+    if not torch.is_grad_enabled():
+        return None
+    probe = torch.zeros((), requires_grad=True) * 1.0
+    return _compat.autograd_sequence_nr(probe.grad_fn)
+
+
+@dataclass(frozen=True)
+class AutogradGemms:
+    """What one forward left in the autograd graph: GEMMs run eagerly, compiled graphs run."""
+
+    eager: int
+    compiled_graphs: int
+
+
+def autograd_gemms(outputs: Any, since: int) -> AutogradGemms | None:
+    """GEMM nodes and compiled-graph nodes reachable from ``outputs`` and created after ``since``."""
+    import torch
+    import torch.fx as fx
+
+    roots: list[Any] = []
+    fx.node.map_aggregate(
+        outputs, lambda v: roots.append(v.grad_fn) if isinstance(v, torch.Tensor) and v.grad_fn else None
+    )
+    seen: set[int] = set()
+    keep: list[Any] = []  # the nodes seen, alive while their ids are in ``seen``
+    eager = compiled = 0
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        number = _compat.autograd_sequence_nr(node)
+        if number is None:
+            return None
+        if number <= since:
+            continue  # made before this call (an earlier block, a parameter's unshard)
+        seen.add(id(node))
+        keep.append(node)
+        if len(keep) > _MAX_NODES:
+            return None
+        name = node.name()
+        if name in GEMM_NODES:
+            eager += 1
+        elif _COMPILED_NODE in name:
+            compiled += 1
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return AutogradGemms(eager, compiled)

@@ -121,6 +121,8 @@ class _Stats:
         self._open: list[tuple[float, list[RegionStats], bool]] = []
         self._lock = threading.Lock()
         self.fallbacks = counting.FallbackCounter()
+        # module name -> what one steady call of it left in the autograd graph (measure_next_call)
+        self.gemms: dict[str, counting.AutogradGemms] = {}
         self._filter = _LimitFilter(self)
         self._callbacks: Any = None
 
@@ -233,6 +235,12 @@ class _Stats:
                     "region": None if entry.plan.woven else entry.plain_label,
                 }
             )
+        measured = {
+            name: {"eager_gemms": g.eager, "compiled_graphs": g.compiled_graphs}
+            for name, g in self.gemms.items()
+        }
+        for plan in plans:
+            plan["measured"] = measured.get(plan["name"])
         return {
             "autoweave": _version.__version__,
             "torch": torch.__version__,
@@ -266,6 +274,12 @@ class _Stats:
                 ),  # autoweave/observe/graph_breaks.py
                 "recompile_limit_hits": list(self.limit_hits),
             },
+            # One steady call of each compiled module, from autograd's record (measure_next_call).
+            "measured": {
+                "modules": len(measured),
+                "fully_compiled": sum(1 for m in measured.values() if m["eager_gemms"] == 0),
+                "eager_gemms": sum(m["eager_gemms"] for m in measured.values()),
+            },
             # Failures of autoweave's own that failed open (slug -> count; _failopen.swallowed).
             "swallowed": dict(sorted(run.swallowed.items())),
             "ac_fallbacks": {
@@ -285,6 +299,49 @@ _lock = threading.RLock()
 def plain_label(module: Any) -> str | None:
     """The label under which a plain (not woven) compile of ``module`` is counted."""
     return run.plain_labels.get(module)
+
+
+def active() -> bool:
+    """Is the report collecting?"""
+    return _stats is not None
+
+
+def measure_next_call(dispatcher: Any, attr: str, *, skip: int = 0) -> None:
+    """Measure one call through ``dispatcher.<attr>`` (after ``skip`` calls): its forward GEMMs outside graphs.
+
+    Read from the autograd graph the call leaves (``counting.autograd_gemms``),
+    at a call with grad; then the attribute is what it was, so the run pays
+    nothing per call. A no-op when the report is off.
+    """
+    if _stats is None:
+        return
+    original = getattr(dispatcher, attr, None)
+    if original is None or getattr(original, "_autoweave_measure", False):
+        return
+    left = [skip]
+
+    def measuring(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        since = None
+        if getattr(dispatcher, attr, None) is measuring and not torch.compiler.is_compiling():
+            if left[0] > 0:
+                left[0] -= 1
+                return original(*args, **kwargs)
+            since = counting.autograd_mark()  # None without grad: the next call is measured
+            if since is not None:
+                setattr(dispatcher, attr, original)  # one call: a recompute inside runs plain
+        out = original(*args, **kwargs)
+        if since is not None:
+            found = counting.autograd_gemms(out, since)
+            stats = _stats
+            if found is not None and stats is not None:
+                with _lock:
+                    stats.gemms[summary.shown_name(dispatcher)] = found
+        return out
+
+    measuring._autoweave_measure = True  # type: ignore[attr-defined]
+    setattr(dispatcher, attr, measuring)
 
 
 def on_woven_around(fallbacks: int) -> None:
@@ -392,6 +449,13 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
         f"autoweave report (rank {data['rank']} of {data['world_size']})" + (f" -> {path}" if path else "")
     ]
     lines.append(f"  modules planned: {totals['modules']}, woven: {totals['woven']}")
+    measured = data.get("measured") or {}
+    if measured.get("modules"):
+        lines.append(
+            f"  measured (one call of each compiled module, autoweave's or not): "
+            f"{measured['eager_gemms']} forward GEMMs ran outside compiled graphs; "
+            f"{measured['fully_compiled']} of {measured['modules']} modules ran every GEMM compiled"
+        )
     kinds = Counter(r["kind"] for r in data["regions"])
     lines.append(
         f"  regions: {kinds.get('woven', 0)} woven, {kinds.get('plain', 0)} plain; "

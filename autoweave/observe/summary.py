@@ -297,6 +297,13 @@ def flush() -> None:
     logger.log(SUMMARY if woven else logging.INFO, "%s", format_summary(batch))
 
 
+def shown_name(dispatcher: Any) -> str:
+    """The name the plan summary and the report give a compile target (``layers.3``), or its type."""
+    with _lock:
+        entry = run.plans.get(id(dispatcher))
+    return entry.shown if entry is not None else inner_type(dispatcher.target)
+
+
 def name_of(dispatcher: Any) -> str:
     """How the summary names a compile target: ``layers.3 (Block)``, or its type alone."""
     with _lock:

@@ -6,6 +6,7 @@ Worker: ``tests/clients/nemo_worker.py`` (it says what is changed around NeMo to
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -28,9 +29,17 @@ def _experts_are_units(run):
     return [u for u in units if u.endswith("mlp.experts")]
 
 
-def test_selective_ac_bf16_autoweave_trains_without_fallbacks(client_run):
+def _report(tmp_path):
+    return {"AUTOWEAVE_REPORT": str(tmp_path / "report{rank}.json")}
+
+
+def _measured(tmp_path) -> dict:
+    return json.loads((tmp_path / "report0.json").read_text())["measured"]
+
+
+def test_selective_ac_bf16_autoweave_trains_without_fallbacks(client_run, tmp_path):
     plain = client_run(WORKER, "plain", "--measure")
-    woven = client_run(WORKER, "autoweave", "--measure")
+    woven = client_run(WORKER, "autoweave", "--measure", env=_report(tmp_path))
     eager = client_run(WORKER, "plain", "--no-compile", "--measure")
     for run in (plain, woven, eager):
         assert run.ok, run.describe()
@@ -56,22 +65,26 @@ def test_selective_ac_bf16_autoweave_trains_without_fallbacks(client_run):
     )
     assert woven.get("bwd_gemms") <= eager.get("bwd_gemms")
     assert woven.get("recompiles") <= plain.get("recompiles")
+    # The report's headline (autograd's record of one call per compiled layer) against the
+    # profiler's count, which also counts the lm_head, outside every compiled module.
+    assert _measured(tmp_path)["eager_gemms"] == woven.get("fwd_gemms_eager") - 1, _measured(tmp_path)
     # Nothing of autoweave's failed open (before, every piece of the MoE blocks ran eager).
     assert not [
         line for line in woven.stderr_lines() if "autoweave" in line and "[" in line and "-eager]" in line
     ]
 
 
-def test_selective_ac_grouped_mm_reaches_the_capture_limit(client_run):
+def test_selective_ac_grouped_mm_reaches_the_capture_limit(client_run, tmp_path):
     """NeMo's CUDA default for the experts (``torch._grouped_mm``), bf16: only the lm_head runs eager."""
     plain = client_run(WORKER, "plain", "--experts", "torch_mm", "--measure")
-    woven = client_run(WORKER, "autoweave", "--experts", "torch_mm", "--measure")
+    woven = client_run(WORKER, "autoweave", "--experts", "torch_mm", "--measure", env=_report(tmp_path))
     eager = client_run(WORKER, "plain", "--experts", "torch_mm", "--no-compile", "--measure")
     for run in (plain, woven, eager):
         assert run.ok, run.describe()
     assert plain.get("fallbacks") >= 1 and plain.get("fwd_gemms_eager") > 1
     assert woven.get("fallbacks") == 0, woven.describe()
     assert woven.get("fwd_gemms_eager") == 1, woven.describe()  # the lm_head, outside every block
+    assert _measured(tmp_path) == {"modules": 3, "fully_compiled": 3, "eager_gemms": 0}
     assert woven.get("act_bytes") <= 1.05 * eager.get("act_bytes")
     assert woven.get("bwd_gemms") <= eager.get("bwd_gemms")
     assert woven.get("recompiles") <= plain.get("recompiles")
