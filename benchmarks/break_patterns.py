@@ -23,6 +23,7 @@ import functools
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +132,9 @@ def _compile(model: nn.Module, how: str, backend: Any) -> nn.Module:
     return model
 
 
-def _run(build: Any, how: str, ac: str, on: bool, backend: str, steps: int) -> dict[str, Any]:
+def _run(
+    build: Any, how: str, ac: str, on: bool, backend: str, steps: int, fresh: bool = False
+) -> dict[str, Any]:
     torch._dynamo.reset()
     # Each row on its own: forget breaks an earlier row taught (in autoweave builds that learn).
     try:
@@ -156,9 +159,14 @@ def _run(build: Any, how: str, ac: str, on: bool, backend: str, steps: int) -> d
     else:
         with autoweave.disabled():
             model = _compile(model, how, counted)
-    fallbacks, diffs = [], []
+    fallbacks, diffs, compiled, times = [], [], [], []
     gemms = -1
+    inputs = torch.Generator().manual_seed(1)
     for step in range(steps):
+        if fresh:  # new tokens each step: data-dependent routing changes, as in training
+            x = torch.randn(6, bm.DIM, generator=inputs)
+        before = cap.graph_count
+        start = time.perf_counter()
         with counting.FallbackCounter() as watch:
             if step == steps - 1:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -167,6 +175,8 @@ def _run(build: Any, how: str, ac: str, on: bool, backend: str, steps: int) -> d
             else:
                 out = model(x)
             out.square().mean().backward()
+        times.append(round(time.perf_counter() - start, 3))
+        compiled.append(cap.graph_count - before)
         ref = eager(x)
         ref.square().mean().backward()
         diffs.append(float(((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()))
@@ -176,6 +186,11 @@ def _run(build: Any, how: str, ac: str, on: bool, backend: str, steps: int) -> d
         "ops": cap.ops,
         "eager_fwd_gemms": gemms,
         "fallbacks_per_step": fallbacks,
+        # Graphs compiled in each step, and each step's time: the cost of learning a break
+        # (and of a data-dependent loop's recompiles) until the steady state.
+        "graphs_per_step": compiled,
+        "step_s": times,
+        "steady_from_step": next((i for i in range(len(compiled)) if not any(compiled[i:])), len(compiled)),
         "max_rel_diff": max(diffs),
     }
 
@@ -186,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         "--backend", default="aot_eager", help="inner backend (inductor for the README table)"
     )
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--fresh-inputs", action="store_true", help="new inputs each step (routing changes; loops recompile)"
+    )
     parser.add_argument("--ac", default="full,selective")
     parser.add_argument("--only", default="", help="comma list of pattern names (substring match)")
     parser.add_argument("--label", default="now", help="name of the autoweave build measured (column)")
@@ -203,21 +221,25 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for on in (False, True):
                 try:
-                    result = _run(build, how, ac, on, args.backend, args.steps)
+                    result = _run(build, how, ac, on, args.backend, args.steps, args.fresh_inputs)
                 except Exception as exc:  # a variant that fails is a result too
                     result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
                 row = {"pattern": name, "ac": ac, "autoweave": args.label if on else "off", **result}
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-    print("| pattern | AC | autoweave | graphs | ops | eager fwd GEMMs | fallbacks per step | max rel diff |")
-    print("|:--|:--|:--|--:|--:|--:|:--|--:|")
+    print(
+        "| pattern | AC | autoweave | graphs | ops | eager fwd GEMMs | fallbacks per step "
+        "| graphs compiled per step | step s | steady from step | max rel diff |"
+    )
+    print("|:--|:--|:--|--:|--:|--:|:--|:--|:--|--:|--:|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['pattern']} | {r['ac']} | {r['autoweave']} | error: {r['error']} | | | | |")
+            print(f"| {r['pattern']} | {r['ac']} | {r['autoweave']} | error: {r['error']} | | | | | | | |")
             continue
         print(
             f"| {r['pattern']} | {r['ac']} | {r['autoweave']} | {r['graphs']} | {r['ops']} | "
-            f"{r['eager_fwd_gemms']} | {r['fallbacks_per_step']} | {r['max_rel_diff']:.1e} |"
+            f"{r['eager_fwd_gemms']} | {r['fallbacks_per_step']} | {r['graphs_per_step']} | "
+            f"{r['step_s']} | {r['steady_from_step']} | {r['max_rel_diff']:.1e} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
