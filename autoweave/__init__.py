@@ -134,7 +134,7 @@ def plan(
     from autoweave.planning import planner, traced_contexts
 
     mode, strategy = _settings.mode_and_strategy(module, mode, strategy)
-    untraceable = traced_contexts.known(module, strategy=strategy, mode=mode)
+    untraceable = traced_contexts.Lazily(module, strategy=strategy, mode=mode)
     return planner.plan(module, mode=mode, strategy=strategy, fullgraph=fullgraph, untraceable=untraceable)
 
 

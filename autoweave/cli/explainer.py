@@ -280,7 +280,7 @@ def explain(
         how = f"{where}; {ac} AC per block, FSDP units (simulated): {units}"
     entries = []
     for name, target in targets:
-        untraceable = traced_contexts.known(target, strategy=strategy, mode=mode)
+        untraceable = traced_contexts.Lazily(target, strategy=strategy, mode=mode)
         plan = planner.plan(
             target, mode=mode, strategy=strategy, fullgraph=fullgraph, untraceable=untraceable
         )

@@ -391,7 +391,7 @@ class _Dispatcher:
         outer = self.outer() if self.outer is not None else None
         options["breaks"] = {**learned_breaks.known(self.target), **options.get("breaks", {})}
         options["measured"] = memory.known(self.target)
-        options["untraceable"] = traced_contexts.known(
+        options["untraceable"] = traced_contexts.Lazily(
             self.target, outer, strategy=options.get("strategy", "auto"), mode=options.get("mode", "auto")
         )
         return planner.plan(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,7 +201,7 @@ class _Tree:
         classify: Classifier,
         breaks: dict[int, str] | None = None,
         measured: dict[int, str] | None = None,
-        untraceable: dict[int, str] | None = None,
+        untraceable: Mapping[int, str] | None = None,
     ) -> None:
         self.classify = classify
         # Modules dynamo was seen breaking in (id -> reason): boundaries of this plan.
@@ -209,7 +209,7 @@ class _Tree:
         # Selective-AC wrappers whose pieces were measured holding more than eager SAC (id -> why).
         self.measured = dict(measured or {})
         # Checkpoints (by id of their checkpoint_fn) whose context_fn a traced checkpoint cannot take.
-        self.untraceable = dict(untraceable or {})
+        self.untraceable: Mapping[int, str] = {} if untraceable is None else untraceable  # read lazily
         self._kind: dict[int, str | None] = {}
         self._has: dict[int, bool] = {}
 
@@ -562,7 +562,7 @@ def plan(
     breaks: dict[int, str] | None = None,
     call_traced: bool = True,
     measured: dict[int, str] | None = None,
-    untraceable: dict[int, str] | None = None,
+    untraceable: Mapping[int, str] | None = None,
 ) -> Plan:
     """Decide how to compile ``module`` (the object handed to ``torch.compile``).
 
@@ -626,7 +626,7 @@ def _plan(
     breaks: dict[int, str] | None,
     call_traced: bool,
     measured: dict[int, str] | None = None,
-    untraceable: dict[int, str] | None = None,
+    untraceable: Mapping[int, str] | None = None,
 ) -> Plan:
     check_choice("mode", mode, MODES)
     check_choice("strategy", strategy, STRATEGIES)

@@ -24,6 +24,7 @@ decided from it. The verdict is kept per ``context_fn`` object.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from autoweave import _compat
@@ -109,3 +110,31 @@ def known(target: Any, outer: Any = None, *, strategy: str = "auto", mode: str =
         if why is not None:
             found[id(module.checkpoint_fn)] = why
     return found
+
+
+class Lazily(Mapping[int, str]):
+    """``known(...)``'s answer, probed at the first lookup: a plan that weaves nothing calls no ``context_fn``.
+
+    The planner looks a checkpoint up only when it plans a checkpointed block
+    with a boundary inside (or an AC outside one): blocks with nothing to
+    weave (torchtitan's, whose compile has no break) are never probed.
+    """
+
+    def __init__(self, target: Any, outer: Any = None, *, strategy: str = "auto", mode: str = "auto") -> None:
+        self._args = (target, outer)
+        self._options = {"strategy": strategy, "mode": mode}
+        self._found: dict[int, str] | None = None
+
+    def _probed(self) -> dict[int, str]:
+        if self._found is None:
+            self._found = known(*self._args, **self._options)
+        return self._found
+
+    def __getitem__(self, key: int) -> str:
+        return self._probed()[key]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._probed())
+
+    def __len__(self) -> int:
+        return len(self._probed())

@@ -134,3 +134,12 @@ def test_a_block_whose_pieces_will_not_compile_moves_to_hoist_from_its_next_call
     # Step 0 ran its pieces eager (told once); from step 1 everything but the head is compiled.
     assert run.swallowed.get("piece-eager", 0) >= 1
     assert forward_gemms_outside_graphs(model, torch.randn(TOKENS, DIM)) == 1
+
+
+def test_a_block_with_nothing_to_weave_never_has_its_context_fn_called():
+    """torchtitan's blocks: selective AC, no boundary inside; plain torch.compile, no probe."""
+    bm.wrapped_context_fn.calls = 0
+    block = cw.checkpoint_wrapper(bm.GlueGemmBlock(DIM, fsdp=False), context_fn=bm.wrapped_context_fn)
+    plan = autoweave.plan(block)
+    assert not plan.woven
+    assert bm.wrapped_context_fn.calls == 0
