@@ -304,3 +304,35 @@ def test_selective_policy_sees_the_ops_it_was_written_for_with_inductor(make):
     saved = {op for op, decision in woven if decision == "MUST_SAVE"}
     assert saved and saved <= {op for op, decision in eager if decision == "MUST_SAVE"}
     assert "aten.addmm.default" in saved
+
+
+@pytest.mark.slow
+def test_a_policy_outside_the_compile_sees_the_ops_it_was_written_for_with_inductor():
+    """checkpoint_wrapper(torch.compile(block), context_fn=policy): the policy moved into the regions.
+
+    Left outside, around inductor's code, it would be handed inductor's ``.out`` kernels and the
+    ops it pins (here the matmuls) would not be saved as asked.
+    """
+    seen: set[tuple[str, str]] = set()
+
+    def recording(ctx, op, *args, **kwargs):
+        decision = bm.save_matmuls(ctx, op, *args, **kwargs)
+        seen.add((str(op), decision.name))
+        return decision
+
+    def run(model: nn.Module) -> set[tuple[str, str]]:
+        seen.clear()
+        _train(model, torch.randn(6, bm.DIM), steps=3)
+        return set(seen)
+
+    torch.manual_seed(0)
+    block = bm.GlueGemmBlock(bm.DIM)
+    context = functools.partial(create_selective_checkpoint_contexts, recording)
+    eager = run(cw.checkpoint_wrapper(copy.deepcopy(block), context_fn=context))
+    compiled = torch.compile(block, backend="inductor")
+    woven = run(cw.checkpoint_wrapper(compiled, context_fn=context))
+    plan = dispatchers.dispatcher_of(compiled).plan
+    assert plan.woven and plan.outer_push_down is not None and plan.outer_push_down.selective
+    assert not [op for op, _ in woven if op.endswith(".out")], woven
+    saved = {op for op, decision in woven if decision == "MUST_SAVE"}
+    assert "aten.addmm.default" in saved and saved <= {op for op, d in eager if d == "MUST_SAVE"}
