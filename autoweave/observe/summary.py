@@ -196,13 +196,18 @@ def qualified_name(target: Any, dispatcher: Any = None, *, frame: Any = None) ->
             if current is None:
                 if owner is target or (dispatcher is not None and dispatcher_of(owner) is dispatcher):
                     current = owner
+                elif found := _path_in(owner, target):
+                    # Called from a module holding it (a block compiled in place inside
+                    # its checkpoint wrapper is first called from the wrapper's forward).
+                    path, current = found, owner
             else:
                 found = _path_in(owner, current)
                 if found:
                     path = f"{found}.{path}" if path else found
                     current = owner
         frame = frame.f_back
-    return display_path(path) if path else ""
+    shown = display_path(path) if path else ""
+    return "" if shown == display_path("") else shown  # only wrapper segments: no name but its type
 
 
 # -- the plan summary ---------------------------------------------------------------------
