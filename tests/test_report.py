@@ -489,3 +489,24 @@ def test_pieces_that_run_eager_are_not_counted_as_captured(weave_on) -> None:
     assert data["measured"]["eager_gemms"] == eager_gemms - 1, (data["measured"], eager_gemms)
     assert data["measured"]["fully_compiled"] == 0
     assert "forward GEMMs ran outside compiled graphs" in summary_text
+
+
+def test_regions_of_a_plan_given_up_since_are_not_live(weave_on) -> None:
+    torch.manual_seed(0)
+    report.start(None)
+    block = cw.checkpoint_wrapper(Block(dim=10))  # a size no other test compiles
+    model = torch.compile(block, backend="aot_eager")
+    x = torch.randn(4, 10)
+    model(x).sum().backward()
+    before = [r for r in report._stats.snapshot()["regions"] if r["kind"] == "woven"]
+    # The tree changes (a child registered): re-planned at the next call, on new regions.
+    block._checkpoint_wrapped_module.extra = nn.Identity()
+    model(x).sum().backward()
+    data = report.stop()
+    old = {r["label"] for r in before}
+    regions = {r["label"]: r for r in data["regions"] if r["kind"] == "woven"}
+    assert before and all(r["live"] for r in before), before
+    dropped = {label for label in old if "Block" in label}  # the block's region; its experts' is reused
+    assert dropped and not any(regions[label]["live"] for label in dropped), regions
+    assert any(r["live"] for label, r in regions.items() if label not in old), regions
+    assert data["totals"]["graphs"] == sum(r["graphs"] for r in data["regions"] if r["live"])

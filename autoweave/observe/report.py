@@ -212,8 +212,11 @@ class _Stats:
         # A plain compile whose module was re-planned woven after its first call
         # ran once: reported, but not as live and not in the totals.
         replaced = {e.plain_label for e in summary.entries() if e.plan.woven and e.plain_label}
+        # A woven region is live while a current plan runs it: one whose plan was given
+        # up since (re-planned plain, or woven anew) ran for a while but runs no more.
+        current = {label for e in summary.entries() for label in e.regions.values()}
         regions = [
-            {**r.as_dict(), "live": r.label not in replaced}
+            {**r.as_dict(), "live": r.label not in replaced if r.kind == "plain" else r.label in current}
             for r in self.regions.values()
             if r.kind != "plain"
             or r.modules

@@ -56,6 +56,12 @@ def main() -> None:
         help="NeMo's expert GEMMs: its CPU default, a loop per expert (torch), or its CUDA default, "
         "torch._grouped_mm (torch_mm)",
     )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert parallel size (the experts sharded on ep_shard = world / ep)",
+    )
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--measure", action="store_true")
     args = p.parse_args()
@@ -120,7 +126,7 @@ def main() -> None:
         strategy = FSDP2Config(enable_compile=not args.no_compile, mp_policy=mp)
         ac = {"selective": "selective", "full": True, "none": False}[args.ac]
         ctx = MeshContext.build(strategy, ParallelismSizes(dp_size=world), activation_checkpointing=ac)
-        moe_mesh = _create_moe_mesh(ctx.device_mesh, ep_shard_size=world, ep_size=1)
+        moe_mesh = _create_moe_mesh(ctx.device_mesh, ep_shard_size=world // args.ep, ep_size=args.ep)
         ctx = MeshContext.from_meshes(
             ctx.device_mesh,
             moe_mesh,
