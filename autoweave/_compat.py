@@ -847,6 +847,30 @@ def observe_sac_policy(contexts: Any, observe: Callable[[Callable[..., Any]], Ca
     return True
 
 
+def in_backward() -> bool:
+    """Is this code running inside autograd's backward (a checkpoint's recompute, say)?"""
+    import torch
+
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    try:
+        return current is not None and int(current()) != -1
+    except Exception:
+        return False
+
+
+def next_autograd_sequence_nr() -> int | None:
+    """The number autograd gives the next node it creates (no op is run to learn it); None if unknown."""
+    import torch
+
+    peek = getattr(torch._C._autograd, "_get_sequence_nr", None)
+    if peek is None:
+        return None
+    try:
+        return int(peek())
+    except Exception:
+        return None
+
+
 def autograd_sequence_nr(node: Any) -> int | None:
     """The creation number autograd gave ``node`` (per thread, increasing); None where it cannot be read."""
     try:

@@ -510,3 +510,42 @@ def test_regions_of_a_plan_given_up_since_are_not_live(weave_on) -> None:
     assert dropped and not any(regions[label]["live"] for label in dropped), regions
     assert any(r["live"] for label, r in regions.items() if label not in old), regions
     assert data["totals"]["graphs"] == sum(r["graphs"] for r in data["regions"] if r["live"])
+
+
+def test_measuring_under_an_eager_selective_checkpoint_changes_nothing(weave_on) -> None:
+    """The report's measure runs inside the user's eager SAC when the AC stays outside the compile.
+
+    It must run no op there: SAC's recompute would meet an op its forward did not see (NeMo's full
+    AC with AUTOWEAVE_REPORT failed in backward so).
+    """
+    from tests import break_models as bm
+
+    def build():
+        torch.manual_seed(0)
+        layers = nn.ModuleList(
+            cw.checkpoint_wrapper(Block(dim=12, moe=i > 0), context_fn=bm.wrapped_context_fn)
+            for i in range(2)
+        )
+        for wrapper in layers:
+            wrapper._checkpoint_wrapped_module.compile(backend="aot_eager")
+        return layers
+
+    def train(layers):
+        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(3):
+            y = x
+            for layer in layers:
+                y = layer(y)
+            loss = y.square().mean()
+            loss.backward()
+            losses.append(loss.item())
+        return losses
+
+    quiet = train(build())
+    torch._dynamo.reset()
+    report.start(None)
+    observed = train(build())
+    data = report.stop()
+    assert observed == quiet
+    assert data["measured"]["modules"] == 2, data["measured"]

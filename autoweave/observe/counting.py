@@ -217,8 +217,11 @@ def _add_recompile_filter() -> Callable[[], None]:
 # ``CompiledFunctionBackward``, whatever it holds. So the nodes a forward
 # created say how many of its GEMMs ran outside compiled graphs, and nothing
 # is added to the run to learn it: no dispatch mode, no profiler, no hook.
-# The nodes created by one call are those numbered after a probe node made
-# just before it (autograd numbers nodes in creation order, per thread). A
+# The nodes created by one call are those numbered from autograd's next node
+# number read just before it (autograd numbers nodes in creation order, per
+# thread). Reading it runs no op: a probe tensor made inside the user's
+# selective checkpoint would be an op its forward saw and its recompute did
+# not (SAC raises "encountered during backward but not found in storage"). A
 # grouped GEMM (``torch._grouped_mm``) is one node, as it is one kernel on a
 # GPU; the CPU profiler sees one ``mm`` per group. GEMMs under a reentrant
 # checkpoint hide in its one node and are not seen.
@@ -243,13 +246,13 @@ _MAX_NODES = 200_000
 
 
 def autograd_mark() -> int | None:
-    """autograd's node number now (a probe node's): nodes a later call creates are numbered above it."""
+    """autograd's node number now: nodes a later call creates are numbered above it (None: no grad)."""
     import torch
 
     if not torch.is_grad_enabled():
         return None
-    probe = torch.zeros((), requires_grad=True) * 1.0
-    return _compat.autograd_sequence_nr(probe.grad_fn)
+    following = _compat.next_autograd_sequence_nr()
+    return None if following is None else following - 1
 
 
 @dataclass(frozen=True)

@@ -121,8 +121,8 @@ class _Stats:
         self._open: list[tuple[float, list[RegionStats], bool]] = []
         self._lock = threading.Lock()
         self.fallbacks = counting.FallbackCounter()
-        # module name -> what one steady call of it left in the autograd graph (measure_next_call)
-        self.gemms: dict[str, counting.AutogradGemms] = {}
+        # id(dispatcher) -> what one steady call of its module left in the autograd graph
+        self.gemms: dict[int, counting.AutogradGemms] = {}
         self._filter = _LimitFilter(self)
         self._callbacks: Any = None
 
@@ -225,7 +225,11 @@ class _Stats:
         live = [r for r in regions if r["live"]]
         fallback_messages = Counter(m.strip().splitlines()[0] for m in self.fallbacks.messages if m.strip())
         plans = []
-        for entry in summary.entries():
+        measured = {
+            key: {"eager_gemms": g.eager, "compiled_graphs": g.compiled_graphs}
+            for key, g in self.gemms.items()
+        }
+        for key, entry in summary.keyed_entries():
             plans.append(
                 {
                     "name": entry.shown,
@@ -236,14 +240,9 @@ class _Stats:
                     "summary": entry.plan.headline(),
                     "decisions": summary.decision_records(entry),
                     "region": None if entry.plan.woven else entry.plain_label,
+                    "measured": measured.get(key),
                 }
             )
-        measured = {
-            name: {"eager_gemms": g.eager, "compiled_graphs": g.compiled_graphs}
-            for name, g in self.gemms.items()
-        }
-        for plan in plans:
-            plan["measured"] = measured.get(plan["name"])
         return {
             "autoweave": _version.__version__,
             "torch": torch.__version__,
@@ -327,7 +326,11 @@ def measure_next_call(dispatcher: Any, attr: str, *, skip: int = 0) -> None:
         import torch
 
         since = None
-        if getattr(dispatcher, attr, None) is measuring and not torch.compiler.is_compiling():
+        if (
+            getattr(dispatcher, attr, None) is measuring
+            and not torch.compiler.is_compiling()
+            and not _compat.in_backward()  # a checkpoint's recompute: not a call of the forward
+        ):
             if left[0] > 0:
                 left[0] -= 1
                 return original(*args, **kwargs)
@@ -340,7 +343,7 @@ def measure_next_call(dispatcher: Any, attr: str, *, skip: int = 0) -> None:
             stats = _stats
             if found is not None and stats is not None:
                 with _lock:
-                    stats.gemms[summary.shown_name(dispatcher)] = found
+                    stats.gemms[id(dispatcher)] = found  # the plan entry's key (summary.keyed_entries)
         return out
 
     measuring._autoweave_measure = True  # type: ignore[attr-defined]

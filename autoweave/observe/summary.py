@@ -286,6 +286,12 @@ def entries() -> list[Entry]:
         return list(run.plans.values())
 
 
+def keyed_entries() -> list[tuple[int, Entry]]:
+    """The plan entries with their keys (``id`` of the dispatcher that recorded each)."""
+    with _lock:
+        return list(run.plans.items())
+
+
 def flush() -> None:
     """Log the summary of the plans recorded since the last one (rank 0 only)."""
     with _lock:
@@ -300,13 +306,6 @@ def flush() -> None:
     if woven and _settings.current().log_level is None:
         _log.configure_default()
     logger.log(SUMMARY if woven else logging.INFO, "%s", format_summary(batch))
-
-
-def shown_name(dispatcher: Any) -> str:
-    """The name the plan summary and the report give a compile target (``layers.3``), or its type."""
-    with _lock:
-        entry = run.plans.get(id(dispatcher))
-    return entry.shown if entry is not None else inner_type(dispatcher.target)
 
 
 def name_of(dispatcher: Any) -> str:

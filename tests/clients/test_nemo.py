@@ -116,14 +116,16 @@ def test_full_ac_plain_raises_checkpoint_error(client_run):
     assert plain.get("error_type") == "CheckpointError", plain.describe()
 
 
-def test_full_ac_autoweave_trains(client_run):
+def test_full_ac_autoweave_trains(client_run, tmp_path):
     """Where plain torch fails: each kind of block compiled on code of its own, the AC left outside.
 
     NeMo's router-saving ``context_fn`` is wrapped in ordinary context managers, so the AC cannot
     move inside the compiled graphs; the plan says so and keeps it outside, as plain torch does,
     but the dense and the MoE layers no longer share one dynamo cache.
     """
-    woven = client_run(WORKER, "autoweave", "--ac", "full", "--measure")
+    # With the report on: its measure runs inside NeMo's eager selective checkpoint, and must not
+    # change what that checkpoint sees (it once ran an op there, and the recompute failed).
+    woven = client_run(WORKER, "autoweave", "--ac", "full", "--measure", env=_report(tmp_path))
     eager = client_run(WORKER, "plain", "--ac", "full", "--no-compile", "--measure")
     assert woven.ok, woven.describe()
     assert eager.ok, eager.describe()
@@ -132,6 +134,7 @@ def test_full_ac_autoweave_trains(client_run):
     # All but the loop experts' GEMMs (2 MoE layers x 4 experts x 2) and the lm_head compiled.
     assert woven.get("fwd_gemms_eager") == 1 + 16, woven.describe()
     assert woven.get("act_bytes") <= 1.05 * eager.get("act_bytes")
+    assert _measured(tmp_path)["eager_gemms"] == woven.get("fwd_gemms_eager") - 1, _measured(tmp_path)
 
 
 def test_selective_ac_expert_parallel_learns_the_gate_break(client_run):
