@@ -88,12 +88,15 @@ def known(target: Any, outer: Any = None, *, strategy: str = "auto", mode: str =
 
     Keyed by ``id`` of the wrapper's ``checkpoint_fn`` (what ``planner.CheckpointSpec``
     carries), with why: for ``planner.plan``'s ``untraceable``. Nothing is probed
-    where the plan would not trace a checkpoint (``hoist``, ``siblings``, ``mode=off``).
+    where the plan would not trace a checkpoint (blocks under ``hoist`` or ``siblings``,
+    anything under ``mode=off``).
     """
     found: dict[int, str] = {}
-    if strategy not in TRACING_STRATEGIES or mode == "off":
+    if mode == "off":
         return found
-    modules = list(target.modules())
+    # A selective AC outside the compile is moved into the regions under every strategy;
+    # the blocks inside are traced only under the tracing ones.
+    modules = list(target.modules()) if strategy in TRACING_STRATEGIES else []
     if outer is not None:
         modules.append(outer)
     try:
