@@ -117,3 +117,17 @@ def saved_bytes(model: nn.Module, *args: torch.Tensor) -> int:
         out = model(*args)
     out.sum().backward()
     return saved[0]
+
+
+def train_chain(layers: nn.Module, dim: int, steps: int) -> list[float]:
+    """Train ``layers`` called one after the other (no parent module), seeded input; the losses."""
+    x = torch.randn(4, dim, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(steps):
+        y = x
+        for layer in layers:
+            y = layer(y)
+        loss = y.square().mean()
+        loss.backward()
+        losses.append(loss.item())
+    return losses

@@ -20,7 +20,7 @@ from autoweave import _log, _state
 from autoweave._settings import Settings
 from autoweave.observe import report, summary
 from benchmarks.measure import forward_gemms_outside_graphs
-from tests.models import Block, RecompileLimitHits, recompiles
+from tests.models import Block, RecompileLimitHits, recompiles, train_chain
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -531,16 +531,7 @@ def test_measuring_under_an_eager_selective_checkpoint_changes_nothing(weave_on)
         return layers
 
     def train(layers):
-        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(1))
-        losses = []
-        for _ in range(3):
-            y = x
-            for layer in layers:
-                y = layer(y)
-            loss = y.square().mean()
-            loss.backward()
-            losses.append(loss.item())
-        return losses
+        return train_chain(layers, 12, 3)
 
     quiet = train(build())
     torch._dynamo.reset()

@@ -15,7 +15,7 @@ from autoweave.dispatch import dispatchers
 from autoweave.observe import counting
 from autoweave.planning.planner import Action
 from benchmarks.measure import forward_gemms_outside_graphs
-from tests.models import Block, RecompileLimitHits, make_break
+from tests.models import Block, RecompileLimitHits, make_break, train_chain
 
 
 @pytest.fixture(autouse=True)
@@ -416,16 +416,7 @@ def test_full_ac_around_an_in_place_compile_stays_outside_and_captures_what_plai
         return nn.ModuleList(cw.checkpoint_wrapper(Block(moe=i > 0)) for i in range(3))
 
     def train(layers):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
-        losses = []
-        for _ in range(2):
-            y = x
-            for layer in layers:
-                y = layer(y)
-            loss = y.square().mean()
-            loss.backward()
-            losses.append(loss.item())
-        return losses
+        return train_chain(layers, 8, 2)
 
     eager = train(build())
     runs = {}
