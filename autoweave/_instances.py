@@ -11,6 +11,12 @@ modules, and a saved file must load where autoweave is not installed. So:
   instance) that returns the class's state minus autoweave's installs, so the
   copy is exactly what plain torch would have copied.
 
+Two kinds of forward are installed. A weave's forward (``install_forward``)
+runs compiled regions; planning looks through it to the user's code (``users_own``).
+A stand-in (``install_stand_in``) is the user's own forward rewritten into a form
+dynamo traces (torch 2.15's decorated checkpoints): planning reads it as the user's
+code, and pickling and copying shed it like any install.
+
 Standard library only; the bottom layer of the package.
 """
 
@@ -22,6 +28,8 @@ from typing import Any
 
 # Attribute on every forward autoweave installs: the instance forward it replaced (or None).
 PRIOR = "__autoweave_prior__"
+# Attribute on a stand-in for the user's forward: the instance forward it stands in for (or None).
+STANDS_IN = "__autoweave_stands_in__"
 _GETSTATE = "__getstate__"
 _DEEPCOPY = "__deepcopy__"
 
@@ -39,32 +47,60 @@ def attach(module: Any, dispatcher: Any) -> None:
         _dispatchers[module] = dispatcher
 
 
-def detach(module: Any) -> None:
-    with _lock:
-        _dispatchers.pop(module, None)
-
-
 def installed(forward: Any) -> bool:
     """Is this forward one of autoweave's installs (it knows what it replaced)?"""
     return forward is not None and hasattr(forward, PRIOR)
 
 
+def stands_in(forward: Any) -> bool:
+    """Is this forward a stand-in of autoweave's for the user's own (``install_stand_in``)?"""
+    return forward is not None and hasattr(forward, STANDS_IN)
+
+
 def users_own(forward: Any) -> Any:
-    """Peel autoweave's installs off an instance forward: the user's own, or None."""
+    """Peel autoweave's installs off an instance forward: the user's own (or its stand-in), or None."""
     while installed(forward):
         forward = getattr(forward, PRIOR)
     return forward
+
+
+def _sheds(forward: Any) -> bool:
+    return installed(forward) or stands_in(forward)
 
 
 def install_forward(module: Any, forward: Any) -> Any:
     """Put ``forward`` on ``module`` (an instance attribute); returns the forward it replaced."""
     previous = module.__dict__.get("forward")
     setattr(forward, PRIOR, previous)
+    _put(module, forward)
+    return previous
+
+
+def install_stand_in(module: Any, forward: Any) -> None:
+    """Put ``forward`` on ``module`` in place of the user's own forward (instance or class).
+
+    Planning reads it as the user's code; a pickle or copy of ``module`` gets
+    the user's forward back. ``remove_stand_in`` undoes it.
+    """
+    setattr(forward, STANDS_IN, module.__dict__.get("forward"))
+    _put(module, forward)
+
+
+def remove_stand_in(module: Any) -> bool:
+    """Undo ``install_stand_in`` if its stand-in is the instance forward; True if it was."""
+    with _lock:
+        forward = module.__dict__.get("forward")
+        if not stands_in(forward):
+            return False
+    restore_forward(module, getattr(forward, STANDS_IN))
+    return True
+
+
+def _put(module: Any, forward: Any) -> None:
     with _lock:
         module.__dict__["forward"] = forward
         if _GETSTATE not in module.__dict__:
             module.__dict__[_GETSTATE] = _Shed(module)
-    return previous
 
 
 def restore_forward(module: Any, previous: Any) -> None:
@@ -74,9 +110,7 @@ def restore_forward(module: Any, previous: Any) -> None:
             module.__dict__.pop("forward", None)
         else:
             module.__dict__["forward"] = previous
-        if not installed(module.__dict__.get("forward")) and isinstance(
-            module.__dict__.get(_GETSTATE), _Shed
-        ):
+        if not _sheds(module.__dict__.get("forward")) and isinstance(module.__dict__.get(_GETSTATE), _Shed):
             del module.__dict__[_GETSTATE]
 
 
@@ -89,8 +123,10 @@ def strip(state: Any) -> Any:
         del out[_GETSTATE]
     if isinstance(out.get(_DEEPCOPY), CopyHook):
         del out[_DEEPCOPY]
-    if installed(out.get("forward")):
+    if _sheds(out.get("forward")):
         own = users_own(out["forward"])
+        if stands_in(own):
+            own = getattr(own, STANDS_IN)
         if own is None:
             del out["forward"]
         else:

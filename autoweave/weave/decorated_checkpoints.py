@@ -12,7 +12,8 @@ A module compiled through autoweave whose ``forward`` is such a function gets an
 ``forward`` that makes the same call in the form dynamo traces, ``checkpoint(forward, *args,
 **options)`` with the decorator's options, so it is planned and compiled as any block that
 checkpoints in its forward (a break inside is woven around). Only the instance attribute
-changes: the class, parameters and ``state_dict`` are untouched, and ``restore`` undoes it.
+changes, through ``_instances`` (a pickle or copy sheds it): the class, parameters and
+``state_dict`` are untouched, and ``restore`` undoes it.
 """
 
 from __future__ import annotations
@@ -23,11 +24,8 @@ from typing import Any
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from autoweave import _compat
+from autoweave import _compat, _instances
 from autoweave._log import logger
-
-# Where the decorated forward is kept on the instance while autoweave's call form stands in.
-DECORATED = "_autoweave_decorated_forward"
 
 
 def decorated_forward(module: nn.Module) -> Any:
@@ -45,34 +43,39 @@ def decorated_forward(module: nn.Module) -> Any:
     return None
 
 
-# Named ``forward``: a pickled module rebuilds a bound method by name, which then finds the
-# class's decorated forward again (as plain torch would have it).
-def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    decorated, options = self.__dict__[DECORATED]
+def _call_form(module: nn.Module, decorated: Any, options: dict[str, Any]) -> Any:
+    """``module``'s decorated forward as the call ``checkpoint(forward, *args, **options)``."""
     function = decorated.function
     if getattr(function, "__self__", None) is None:
-        function = functools.partial(function, self, **kwargs)
-    elif kwargs:
-        function = functools.partial(function, **kwargs)
-    # Keyword arguments are bound above: they must not be read as checkpoint's own options.
-    return checkpoint(function, *args, **options)
+        function = functools.partial(function, module)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        # Keyword arguments are bound here: they must not be read as checkpoint's own options.
+        return checkpoint(functools.partial(function, **kwargs) if kwargs else function, *args, **options)
+
+    forward.decorated = decorated  # type: ignore[attr-defined]  # what ``restore`` puts back
+    return forward
 
 
 def make_traceable(root: nn.Module) -> int:
     """Give every module under ``root`` whose forward is a decorated checkpoint the call form.
 
     Only non-reentrant checkpoints (the decorator's own reentrant path takes no keyword
-    arguments and is left as written). Returns how many modules changed; idempotent.
+    arguments and is left as written). The call form is a stand-in for the user's
+    forward (``_instances.install_stand_in``): a module pickled or copied afterwards
+    carries its decorated forward, as in plain torch, and loads without autoweave.
+    Returns how many modules changed; idempotent.
     """
-    import types
-
     changed = 0
     for module in root.modules():
+        if _instances.stands_in(module.__dict__.get("forward")):
+            continue  # already in the call form
         decorated = decorated_forward(module)
         if decorated is None or decorated.checkpoint_kwargs.get("use_reentrant") is not False:
             continue
-        module.__dict__[DECORATED] = (decorated, _options(decorated.checkpoint_kwargs))
-        module.__dict__["forward"] = types.MethodType(forward, module)
+        _instances.install_stand_in(
+            module, _call_form(module, decorated, _options(decorated.checkpoint_kwargs))
+        )
         changed += 1
         logger.debug(
             "%s: forward decorated with checkpoint(...) is called as checkpoint(forward, ...) "
@@ -104,12 +107,4 @@ _UNSET = object()
 def restore(root: nn.Module) -> None:
     """Put back each decorated forward ``make_traceable`` replaced under ``root``."""
     for module in root.modules():
-        found = module.__dict__.pop(DECORATED, None)
-        if found is None:
-            continue
-        decorated = found[0]
-        own = module.__dict__.get("forward")
-        if getattr(own, "__func__", None) is forward:
-            del module.__dict__["forward"]
-        if decorated_forward(module) is not decorated:
-            module.__dict__["forward"] = decorated  # it was the instance's own
+        _instances.remove_stand_in(module)

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,12 +24,14 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import autoweave
-from autoweave import _compat
+from autoweave import _compat, _instances
+from autoweave.dispatch import dispatchers
 from autoweave.weave import decorated_checkpoints
 from benchmarks.measure import forward_gemms_outside_graphs
 from tests.break_models import fsdp_like
 from tests.models import saved_bytes
 
+ROOT = Path(__file__).resolve().parents[2]
 BACKEND = "aot_eager"
 DIM = 64
 
@@ -127,11 +133,53 @@ def test_an_instance_decorated_forward_and_its_keyword_arguments_are_kept_and_re
     torch.testing.assert_close(model(x, scale=0.5), eager(x, scale=0.5))
     assert decorated_checkpoints.make_traceable(model) == 0  # idempotent: already in the call form
     decorated_checkpoints.restore(model)
-    assert model.forward is decorated and decorated_checkpoints.DECORATED not in model.__dict__
+    assert model.forward is decorated and set(model.__dict__) == set(eager.__dict__)
     plain_class = SelectiveAC(fsdp=False)
     decorated_checkpoints.make_traceable(plain_class)
     decorated_checkpoints.restore(plain_class)
     assert "forward" not in plain_class.__dict__
+
+
+_LOAD_WITHOUT_AUTOWEAVE = """
+import sys
+sys.modules["autoweave"] = None  # any import of autoweave's code while loading fails
+import torch
+model = torch.load(sys.argv[1], weights_only=False)
+x = torch.randn(4, {dim}, requires_grad=True)
+model(x).sum().backward()
+print(type(model).__name__, "forward" in model.__dict__)
+"""
+
+
+@decorator_form
+@pytest.mark.parametrize("when", ["compiled", "woven"])
+def test_a_model_saved_after_the_decorator_rewrite_loads_without_autoweave(tmp_path, when) -> None:
+    from tests import decorated_models
+
+    model = decorated_models.DecoratedBlock()
+    compiled = torch.compile(model, backend=BACKEND)
+    assert _instances.stands_in(model.__dict__.get("forward"))  # the call form stands in
+    if when == "woven":
+        x = torch.randn(4, decorated_models.DIM, requires_grad=True)
+        for _ in range(2):  # the break is learned at the first call, woven from the second
+            compiled(x).sum().backward()
+        assert dispatchers.dispatcher_of(compiled).woven
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("AUTOWEAVE")}
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_WITHOUT_AUTOWEAVE.format(dim=decorated_models.DIM), str(path)],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [
+        "DecoratedBlock",
+        "False",
+    ]  # the class's decorated forward, as saved by torch
 
 
 # -- transformers -------------------------------------------------------------------------
