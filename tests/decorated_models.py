@@ -13,16 +13,27 @@ from torch.utils.checkpoint import checkpoint
 DIM = 16
 
 
+class Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(DIM, DIM)
+
+    # A boundary under the checkpoint, as an FSDP unit's hooks are (and picklable, unlike a hook).
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.w(x))
+
+
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.attn = nn.Linear(DIM, DIM)
+        self.experts = Experts()
         self.out = nn.Linear(DIM, DIM)
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         h = x + torch.tanh(self.attn(x))
-        torch._dynamo.graph_break()  # a break under the checkpoint: autoweave weaves around it
-        return h + self.out(torch.relu(h))
+        return h + self.out(self.experts(h))
 
 
 try:
