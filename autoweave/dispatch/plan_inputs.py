@@ -4,9 +4,10 @@ A plan depends on more than the module: how it was compiled (``fullgraph``,
 whether ``torch.compile`` traces its ``__call__``), the AC wrapper around an
 in-place compile, the mode and strategy (arguments, then ``set_mode``, then the
 settings), what a fallback taught its dispatcher, and what the run learned
-(``planning/learned``). A ``Request`` names the first four; ``plan`` adds the
-rest, the same way every time, so ``autoweave.plan(model)`` after a run is the
-plan its dispatcher runs.
+(``planning/learned``). A ``Request`` holds what belongs to one compile (its
+dispatcher makes it; ``request_of`` finds it); ``plan`` adds the mode, the
+strategy and what the run learned, the same way for every caller, so
+``autoweave.plan(model)`` after a run is the plan its dispatcher runs.
 
 The side effects planning needs happen here, not in ``planning/``: the boundary
 plug-ins are loaded (once, before the first plan) and the checkpoints'
