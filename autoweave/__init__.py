@@ -128,14 +128,22 @@ def set_mode(module: "nn.Module", mode: str | None = None, *, strategy: str | No
 
 
 def plan(
-    module: "nn.Module", *, fullgraph: bool = False, mode: str | None = None, strategy: str | None = None
+    module: "nn.Module",
+    *,
+    fullgraph: "bool | None" = None,
+    mode: str | None = None,
+    strategy: str | None = None,
 ) -> "Plan":
-    """The plan autoweave would apply to ``torch.compile(module)`` now, without compiling."""
-    from autoweave.planning import planner, traced_contexts
+    """The plan autoweave would apply to ``torch.compile(module)`` now, without compiling.
 
-    mode, strategy = _settings.mode_and_strategy(module, mode, strategy)
-    untraceable = traced_contexts.Lazily(module, strategy=strategy, mode=mode)
-    return planner.plan(module, mode=mode, strategy=strategy, fullgraph=fullgraph, untraceable=untraceable)
+    For a module already compiled (``torch.compile``'s result, or one compiled
+    in place), the plan its dispatcher would run now: how it was compiled and
+    what the run learned included. ``fullgraph`` None: as compiled (False for a
+    module not compiled).
+    """
+    from autoweave.dispatch import plan_inputs
+
+    return plan_inputs.plan(plan_inputs.request_of(module, fullgraph=fullgraph), mode=mode, strategy=strategy)
 
 
 def explain(model_or_factory: "Any", **options: "Any") -> str:

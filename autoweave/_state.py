@@ -27,11 +27,12 @@ class RunState:
         # _failopen: the one internal-error warning, and the per-key warnings given.
         self.warned_keys: set[str] = set()  # fail-open warnings already written (once per key)
         self.swallowed: dict[str, int] = {}  # slug -> how many failures of autoweave's own failed open
-        # breaks: forward code object -> why it breaks (what one block taught the others).
+        # What the run learned, written and read only by planning/learned (its ``Learned`` value):
+        # forward code object -> why it breaks (what one block taught the others);
         self.learned_breaks: dict[Any, str] = {}
-        # memory: kind of block -> what its pieces were measured to hold against eager SAC.
+        # kind of block -> what its pieces were measured to hold against eager SAC;
         self.learned_memory: dict[tuple, Any] = {}
-        # traced_contexts: id(context_fn) -> (context_fn, why a traced checkpoint cannot take it, or None).
+        # id(context_fn) -> (context_fn, why a traced checkpoint cannot take it, or None).
         self.context_verdicts: dict[int, tuple[Any, str | None]] = {}
         # weave: region key -> (compiled region, label); identical blocks share one.
         self.shared_regions: dict[

@@ -21,8 +21,9 @@ import torch
 import torch.nn as nn
 
 from autoweave import _compat
+from autoweave.dispatch import plan_inputs
 from autoweave.observe import summary
-from autoweave.planning import boundaries, planner, traced_contexts
+from autoweave.planning import boundaries
 
 SIMULATED = "FSDP unit (fully_shard, simulated)"
 DEFAULT_SHARD = ("experts",)
@@ -280,9 +281,8 @@ def explain(
         how = f"{where}; {ac} AC per block, FSDP units (simulated): {units}"
     entries = []
     for name, target in targets:
-        untraceable = traced_contexts.Lazily(target, strategy=strategy, mode=mode)
-        plan = planner.plan(
-            target, mode=mode, strategy=strategy, fullgraph=fullgraph, untraceable=untraceable
+        plan = plan_inputs.plan(
+            plan_inputs.Request(target, fullgraph=fullgraph), mode=mode, strategy=strategy
         )
         entries.append(summary.Entry(name=name, type_name=summary.inner_type(target), plan=plan))
     head = f"autoweave explain: {type(model).__name__} on meta; {how}; torch.compile(block) per block"

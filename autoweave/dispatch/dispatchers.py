@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 import torch.nn as nn
@@ -20,8 +21,10 @@ from autoweave import _compat, _instances, _settings
 from autoweave._failopen import AutoweaveError, FailedFrames, _strict, frames_fail_open, guard, swallowed
 from autoweave._log import logger
 from autoweave._state import run as _run
+from autoweave.dispatch import plan_inputs
 from autoweave.observe import counting, graph_breaks, report, summary
-from autoweave.planning import learned_breaks, memory, planner, traced_contexts, tree_changes
+from autoweave.planning import learned_breaks, planner, tree_changes
+from autoweave.planning.learned import hoist_reason, learn_breaks
 from autoweave.weave import apply
 
 
@@ -41,7 +44,7 @@ def _fingerprint(target: nn.Module) -> tuple:
     modules = list(target.named_modules())
     tree_changes.watch(m for _, m in modules)  # a registration into any of them moves the signal
     # A block measured holding more as pieces than eager SAC would is planned again (memory).
-    return tuple((name, type(m), getattr(m, MARK, None), memory.hoist_reason(m)) for name, m in modules)
+    return tuple((name, type(m), getattr(m, MARK, None), hoist_reason(m)) for name, m in modules)
 
 
 class State(enum.Enum):
@@ -356,9 +359,9 @@ class _Dispatcher:
             self.plan = None
             self._enter(State.PLAIN, Why.OFF)
             return
-        mode, strategy = self._mode_and_strategy()
+        mode, _ = self._mode_and_strategy()
         with guard(f"planning {type(self.target).__name__}") as failed:
-            self._apply(self._plan(**{"mode": mode, "strategy": strategy, **self._learned}), why)
+            self._apply(self._plan(self._learned), why)
         if failed:
             self._release()
             self.plan = None
@@ -381,26 +384,27 @@ class _Dispatcher:
             )
         )
 
-    def _plan(self, **options: Any) -> planner.Plan:
-        """The planner's answer for this target now: one call, whatever asks (first call or re-plan).
+    def request(self, taught: dict[str, Any] | None = None) -> plan_inputs.Request:
+        """What this target's compile asks the planner for (``autoweave.plan()`` asks the same).
 
-        ``options`` are the mode and strategy, and what a fallback taught
-        (``breaks``, a forced mode/strategy); what this process learned since
-        (other blocks' breaks) joins this block's own.
+        ``taught``: what a fallback taught (``breaks``, a forced mode/strategy);
+        by default, what the last one did.
         """
-        outer = self.outer() if self.outer is not None else None
-        options["breaks"] = {**learned_breaks.known(self.target), **options.get("breaks", {})}
-        options["measured"] = memory.known(self.target)
-        options["untraceable"] = traced_contexts.Lazily(
-            self.target, outer, strategy=options.get("strategy", "auto"), mode=options.get("mode", "auto")
-        )
-        return planner.plan(
+        return plan_inputs.Request(
             self.target,
             fullgraph=bool(self.compile_kwargs.get("fullgraph")),
-            outer_ac=planner.checkpoint_spec(outer) if outer is not None else None,
+            outer=self.outer() if self.outer is not None else None,
             call_traced=self._call_traced,
-            **options,
+            taught=MappingProxyType(dict(self._learned if taught is None else taught)),
         )
+
+    def _plan(self, taught: dict[str, Any]) -> planner.Plan:
+        """The planner's answer for this target now: one assembly, whatever asks (first call or re-plan).
+
+        What this process learned since (other blocks' breaks, memory verdicts)
+        joins what a fallback taught this block (``plan_inputs``).
+        """
+        return plan_inputs.plan(self.request(taught))
 
     def _apply(self, plan: planner.Plan, why: Why) -> None:
         """Install ``plan`` and enter TRIAL (it weaves) or PLAIN (it does not)."""
@@ -430,15 +434,14 @@ class _Dispatcher:
                 located = {
                     id(_compat.checkpoint_wrapped(target)): "a graph break inside (dynamo gave no location)"
                 }
-            mode, strategy = self._mode_and_strategy()
-            learned_breaks.learn(target, located)
+            learn_breaks(target, located)
             learned: dict[str, Any] = {"breaks": {**self._learned.get("breaks", {}), **located}}
-            plan = self._plan(mode=mode, strategy=strategy, **learned)
+            plan = self._plan(learned)
             if not plan.woven:
                 # The checkpoint is in code autoweave could not read (the target's
                 # own forward): weave its children one by one, around that code.
                 learned.update(mode="always", strategy="siblings")
-                plan = self._plan(**learned)
+                plan = self._plan(learned)
             self._learned = learned
             logger.info(
                 "%s: dynamo ran a checkpointed region eager at the first call (%s); woven from the next call on",

@@ -119,11 +119,10 @@ def apply_torch(settings: Settings) -> None:
     _compat.check_torch_version(untested=settings.untested_torch)
     import torch
 
-    from autoweave.dispatch import routes
-    from autoweave.planning import tree_changes
+    from autoweave.dispatch import routes, tree_watch
 
     _installs.begin()
-    tree_changes.install()
+    tree_watch.install()
     if "compile" not in settings.disabled_patches:
         _apply("compile", torch, "compile", routes.route_compile)
     if "module_compile" not in settings.disabled_patches:

@@ -13,20 +13,19 @@ from typing import Any
 import torch.nn as nn
 
 from autoweave import _compat
-from autoweave._failopen import swallowed
 from autoweave._instances import PRIOR as PRIOR  # re-exported: the mark on installed forwards
 from autoweave._instances import users_own
-from autoweave._log import logger
 from autoweave.planning import tree_changes
 
-ENTRY_POINT_GROUP = "autoweave.boundaries"  # a published entry-point group: never renamed with the module
+# A published entry-point group, never renamed with the module: third-party packages name
+# their boundary kinds under it; ``dispatch/plan_inputs`` loads them, before the first plan.
+ENTRY_POINT_GROUP = "autoweave.boundaries"
 MARK = "_autoweave_boundary"
 
 Predicate = Callable[[nn.Module], "str | bool | None"]
 
 _lock = threading.Lock()
 _predicates: list[tuple[str, Predicate]] = []
-_entry_points_loaded = False
 
 
 def boundary(module: nn.Module, reason: str = "marked with autoweave.boundary()") -> nn.Module:
@@ -50,35 +49,6 @@ def unregister_boundary(predicate: Predicate) -> None:
     with _lock:
         _predicates[:] = [(n, p) for n, p in _predicates if p is not predicate]
     tree_changes.bump()
-
-
-def _load_entry_points() -> None:
-    # Third-party packages declare their own boundary kinds under the entry-point
-    # group; read once, lazily, so start-up never pays for the metadata scan.
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    try:
-        # The standard library's reader (3.10+ selects by group): importing the
-        # importlib_metadata backport would put its finder on sys.meta_path for good.
-        import importlib.metadata
-
-        found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-    except Exception:  # pragma: no cover - metadata is best effort
-        logger.debug("could not read entry points %s", ENTRY_POINT_GROUP, exc_info=True)
-        return
-    for entry_point in found:
-        try:
-            register_boundary(entry_point.load(), name=f"{entry_point.name} (plug-in)")
-        except Exception as exc:
-            swallowed(
-                "boundary-plugin",
-                f"plugin:{entry_point.name}",
-                f"the boundary plug-in {entry_point.name!r} ({entry_point.value}) failed to load: "
-                f"{type(exc).__name__}: {exc}; planning goes on without it",
-                exc,
-            )
 
 
 def _hooks_disabled(module: nn.Module) -> bool:
@@ -124,7 +94,6 @@ def classify(module: nn.Module) -> str | None:
         return "forward is torch.compiler.disable'd"
     if _hooks_disabled(module):
         return "a hook is torch.compiler.disable'd"
-    _load_entry_points()
     with _lock:
         predicates = list(_predicates)
     for name, predicate in predicates:

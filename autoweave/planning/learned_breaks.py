@@ -4,7 +4,8 @@ When dynamo cannot trace a checkpoint as one graph it logs (INFO) that it
 falls back to eager, then logs the ``Unsupported`` error itself, whose
 ``real_stack`` holds the user's frames from the compiled frame down to the
 break. The innermost frame that runs a module's forward names the module that
-breaks: the planner then treats it as a boundary and compiles around it.
+breaks (``locate``): the planner then treats it as a boundary and compiles
+around it. What one block taught is kept by forward code (``planning/learned``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any
 import torch.nn as nn
 
 from autoweave import _compat
-from autoweave._state import run
 from autoweave.planning import boundaries
 
 
@@ -51,7 +51,7 @@ def _span(code: Any) -> tuple[str, int, int] | None:
 
 
 def _forward_span(module: nn.Module) -> tuple[str, int, int] | None:
-    code = _forward_code(module)
+    code = forward_code(module)
     return _span(code) if code is not None else None
 
 
@@ -85,37 +85,7 @@ def locate(target: nn.Module, stacks: list[tuple[str, list[Any]]]) -> dict[int, 
     return found
 
 
-# -- what the process has learned ---------------------------------------------------------
-#
-# Identical blocks share dynamo's cache for the checkpoint wrapper's code, so
-# only the first block to compile logs the fallback; the others silently run
-# the cached eager fallback. What one block taught applies to every module
-# running the same forward code.
-
-
-def learn(target: nn.Module, located: dict[int, str]) -> None:
-    """Remember the forward code of each located module (ids from ``locate``) as breaking."""
-    for module in target.modules():
-        reason = located.get(id(module))
-        if reason is not None:
-            code = _forward_code(module)
-            if code is not None:
-                run.learned_breaks.setdefault(code, reason)
-
-
-def known(target: nn.Module) -> dict[int, str]:
-    """Modules of ``target`` running code already seen breaking (ids -> reason)."""
-    learned = run.learned_breaks
-    if not learned:
-        return {}
-    found = {}
-    for module in target.modules():
-        code = _forward_code(module)
-        if code is not None and code in learned:
-            found[id(module)] = learned[code]
-    return found
-
-
-def _forward_code(module: nn.Module) -> Any:
+def forward_code(module: nn.Module) -> Any:
+    """The code object of ``module``'s user forward (what identical blocks share), or None."""
     forward = boundaries.user_forward(module)
     return getattr(getattr(forward, "__func__", forward), "__code__", None)

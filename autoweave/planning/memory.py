@@ -25,22 +25,20 @@ kernels, so it recomputes what full AC does) is in README "Limits" and
 ``benchmarks/sac_memory.py``. When the caller's own saved-tensor hooks are in
 force around that first call (activation offloading, an eager checkpoint
 around the model), nothing is measured: ours would shadow theirs.
+
+This module is the judgement only (``Verdict``, the ``TOLERANCE`` rule, which
+blocks are of one ``kind``); the measure runs in ``weave/first_call_memory``
+and what it found is kept by ``planning/learned``.
 """
 
 from __future__ import annotations
 
-import threading
 import types
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from autoweave import _compat
-from autoweave._log import logger
-from autoweave._state import run
-from autoweave.planning import tree_changes
 
-_lock = threading.Lock()
 # Pieces may hold this much more than eager SAC before the block is planned with hoist.
 TOLERANCE = 1.05
 
@@ -72,114 +70,6 @@ class Verdict:
             f"pieces hold {size_text(self.held)} for backward, eager selective AC "
             f"{size_text(self.eager_sac)} (its input and its policy's saves)"
         )
-
-
-# -- counting ------------------------------------------------------------------------------
-
-
-class _Storages:
-    """Distinct storages of tensors (data pointer -> storage), sized when asked.
-
-    Sized at the end, not when saved: a storage FSDP freed after the forward
-    (an unsharded parameter, resized to nothing) holds nothing. Parameters,
-    and whatever shares their storage (a transposed weight saved for
-    backward), are kept anyway and left out.
-    """
-
-    def __init__(self) -> None:
-        self.storages: dict[int, Any] = {}
-        self.parameters: set[int] = set()
-
-    def add(self, tensor: Any) -> None:
-        import torch.nn as nn
-
-        try:
-            storage = tensor.untyped_storage()
-            pointer = storage.data_ptr()
-        except Exception:  # a subclass without one storage: not counted
-            return
-        if isinstance(tensor, nn.Parameter):
-            self.parameters.add(pointer)
-        else:
-            self.storages.setdefault(pointer, storage)
-
-    def leave_out(self, module: Any) -> None:
-        """Leave out the storages of ``module``'s parameters and buffers (as they are now)."""
-        for tensor in (*module.parameters(), *module.buffers()):
-            try:
-                self.parameters.add(tensor.untyped_storage().data_ptr())
-            except Exception:
-                pass
-
-    @property
-    def total(self) -> int:
-        return sum(s.nbytes() for pointer, s in self.storages.items() if pointer not in self.parameters)
-
-
-def tensor_bytes(value: Any) -> int:
-    """Bytes of the distinct storages of the tensors in ``value`` (nested tuples, lists, dicts)."""
-    import torch
-
-    storages = _Storages()
-
-    def visit(item: Any) -> None:
-        if isinstance(item, torch.Tensor):
-            storages.add(item)
-        elif isinstance(item, (tuple, list)):
-            for inner in item:
-                visit(inner)
-        elif isinstance(item, dict):
-            for inner in item.values():
-                visit(inner)
-
-    visit(value)
-    return storages.total
-
-
-class SavedBytes:
-    """While inside: every tensor autograd saves for backward is counted (``total`` bytes, ``count``).
-
-    The hooks hand each tensor back unchanged. Inside an eager checkpoint its
-    own hooks take precedence and this counts nothing of it.
-    """
-
-    def __init__(self) -> None:
-        self._storages = _Storages()
-        self.count = 0
-        self._hooks: Any = None
-
-    def _pack(self, tensor: Any) -> Any:
-        if not _compat.is_fake(tensor):  # a trace that runs meanwhile (dynamo's, a piece's inspection)
-            self.count += 1
-            self._storages.add(tensor)
-        return tensor
-
-    @staticmethod
-    def _unpack(tensor: Any) -> Any:
-        return tensor
-
-    @property
-    def total(self) -> int:
-        return self._storages.total
-
-    def leave_out(self, module: Any) -> None:
-        self._storages.leave_out(module)
-
-    def __enter__(self) -> SavedBytes:
-        import torch
-
-        # Never traced: autograd calls the hooks from wherever a tensor is saved, also from
-        # eager code that runs under a compiled frame (a piece that runs eager), and dynamo
-        # would compile the hook there, on every call (its storage pointers break the graph),
-        # until the recompile limit: NeMo's selective AC showed 23 recompiles against hoist's 2.
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(
-            _compat.disable(self._pack, recursive=True), _compat.disable(self._unpack, recursive=True)
-        )
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
 
 
 # -- what one block taught its kind ---------------------------------------------------------
@@ -255,85 +145,3 @@ def kind(wrapper: Any) -> tuple | None:
         return None
     shapes = tuple((name, tuple(p.shape), p.dtype) for name, p in inner.named_parameters())
     return (type(inner), shapes, identity(_compat.checkpoint_fn(wrapper)))
-
-
-def learn(wrapper: Any, verdict: Verdict) -> None:
-    """Remember ``verdict`` for every block of ``wrapper``'s kind; a hoist verdict re-plans them."""
-    key = kind(wrapper)
-    if key is None:
-        return
-    with _lock:
-        run.learned_memory.setdefault(key, verdict)
-    if verdict.hoist:
-        tree_changes.bump()  # the dispatchers holding blocks of this kind re-read their tree
-
-
-def verdict_of(module: Any) -> Verdict | None:
-    """What a block of ``module``'s kind was measured to hold (None: not measured yet)."""
-    if not run.learned_memory:
-        return None
-    key = kind(module)
-    return None if key is None else run.learned_memory.get(key)
-
-
-def hoist_reason(module: Any) -> str | None:
-    """Why a block of ``module``'s kind is to be planned with hoist; None when it is not."""
-    verdict = verdict_of(module)
-    return verdict.describe() if verdict is not None and verdict.hoist else None
-
-
-def known(target: Any) -> dict[int, str]:
-    """The blocks under ``target`` (ids) to plan with hoist, and why (for ``planner.plan``)."""
-    if not run.learned_memory:
-        return {}
-    return {id(m): why for m in target.modules() if (why := hoist_reason(m)) is not None}
-
-
-class FirstCall:
-    """A pieces block's forward that measures its first call with grad, then gets out of the way.
-
-    ``forward`` runs the block without its checkpoint (the pieces carry it);
-    ``policy_bytes()`` is what the policy saved while the pieces were traced
-    (None: not known), ``failed()`` why pieces autoweave could not compile ran
-    eager (a block whose pieces fail is planned with hoist); ``done(verdict)`` is told once, at the first call with
-    grad (None: not measured, the caller's saved-tensor hooks were active), and
-    is expected to install ``forward`` in place of this object.
-    """
-
-    def __init__(
-        self,
-        wrapper: Any,
-        forward: Callable[..., Any],
-        policy_bytes: Callable[[], int | None],
-        done: Callable[[Verdict | None], None],
-        failed: Callable[[], tuple[str, ...]] = tuple,
-    ) -> None:
-        self.wrapper = wrapper
-        self.forward = forward
-        self.policy_bytes = policy_bytes
-        self.failed = failed
-        self.done = done
-        self.finished = False
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        import torch
-
-        if self.finished or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return self.forward(*args, **kwargs)
-        self.finished = True
-        if _compat.saved_tensors_hooks_active():
-            # The user's hooks (offloading, say) or an eager checkpoint around the
-            # call: ours would shadow them. Not measured; pieces stay.
-            out = self.forward(*args, **kwargs)
-            self.done(None)
-            return out
-        with SavedBytes() as saved:
-            out = self.forward(*args, **kwargs)
-        saved.leave_out(self.wrapper)
-        policy = self.policy_bytes()
-        eager_sac = None if policy is None else tensor_bytes((args, kwargs)) + policy
-        verdict = Verdict(saved.total, eager_sac, self.failed())
-        logger.info("%s: %s", type(self.wrapper).__name__, verdict.describe())
-        learn(self.wrapper, verdict)
-        self.done(verdict)
-        return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ import torch.nn as nn
 from autoweave import _compat
 from autoweave._settings import MODES, STRATEGIES, check_choice
 from autoweave.planning import boundaries, checkpoint_calls, sources
+from autoweave.planning.learned import Learned
 
 Classifier = Callable[[nn.Module], "str | None"]
 
@@ -196,20 +197,14 @@ def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
 class _Tree:
     """Memoised boundary facts for one planning pass."""
 
-    def __init__(
-        self,
-        classify: Classifier,
-        breaks: dict[int, str] | None = None,
-        measured: dict[int, str] | None = None,
-        untraceable: Mapping[int, str] | None = None,
-    ) -> None:
+    def __init__(self, classify: Classifier, learned: Learned) -> None:
         self.classify = classify
         # Modules dynamo was seen breaking in (id -> reason): boundaries of this plan.
-        self.breaking = dict(breaks or {})
+        self.breaking = dict(learned.breaks)
         # Selective-AC wrappers whose pieces were measured holding more than eager SAC (id -> why).
-        self.measured = dict(measured or {})
+        self.measured = learned.measured
         # Checkpoints (by id of their checkpoint_fn) whose context_fn a traced checkpoint cannot take.
-        self.untraceable: Mapping[int, str] = {} if untraceable is None else untraceable  # read lazily
+        self.untraceable = learned.untraceable  # read lazily: a lookup may probe
         self._kind: dict[int, str | None] = {}
         self._has: dict[int, bool] = {}
 
@@ -559,10 +554,8 @@ def plan(
     fullgraph: bool = False,
     classify: Classifier | None = None,
     outer_ac: CheckpointSpec | None = None,
-    breaks: dict[int, str] | None = None,
     call_traced: bool = True,
-    measured: dict[int, str] | None = None,
-    untraceable: Mapping[int, str] | None = None,
+    learned: Learned | None = None,
 ) -> Plan:
     """Decide how to compile ``module`` (the object handed to ``torch.compile``).
 
@@ -580,19 +573,17 @@ def plan(
     handles (the runtime checks that no other break happened), unless the
     strategy is ``siblings``.
 
-    ``breaks`` names modules (by ``id``) that dynamo was seen breaking in, with
-    a reason: they are boundaries of this plan. ``call_traced`` is whether the
-    compile traces the target's ``__call__`` (``torch.compile(module)``) or only
-    its ``_call_impl`` (in-place ``module.compile()``).
+    ``call_traced`` is whether the compile traces the target's ``__call__``
+    (``torch.compile(module)``) or only its ``_call_impl`` (in-place
+    ``module.compile()``).
 
-    ``measured`` names selective-AC wrappers (by ``id``) whose pieces were
-    measured holding more activation memory than eager selective AC would,
-    with why (``memory.known``): under ``auto`` they are planned with hoist.
-    ``untraceable`` names checkpoints (by ``id`` of their ``checkpoint_fn``)
-    whose ``context_fn`` a checkpoint traced inside a compiled graph cannot
-    take, with why (``traced_contexts.known``): under ``auto``, ``pieces`` and
-    ``push-down`` they are planned with hoist, and an AC outside the compile
-    stays there.
+    ``learned`` is what the run learned under the target (``Learned.for_target``;
+    ``dispatch/plan_inputs`` assembles it): modules dynamo was seen breaking in
+    are boundaries of this plan; selective-AC wrappers whose pieces were
+    measured holding more than eager selective AC would are planned with hoist
+    under ``auto``; checkpoints whose ``context_fn`` a traced checkpoint cannot
+    take are planned with hoist under ``auto``, ``pieces`` and ``push-down``,
+    and an AC outside the compile stays there.
     """
     found_plan = _plan(
         module,
@@ -601,10 +592,8 @@ def plan(
         fullgraph=fullgraph,
         classify=classify,
         outer_ac=outer_ac,
-        breaks=breaks,
         call_traced=call_traced,
-        measured=measured,
-        untraceable=untraceable,
+        learned=learned,
     )
     target = unwrap(module)
     places = tuple(
@@ -623,14 +612,12 @@ def _plan(
     fullgraph: bool,
     classify: Classifier | None,
     outer_ac: CheckpointSpec | None,
-    breaks: dict[int, str] | None,
     call_traced: bool,
-    measured: dict[int, str] | None = None,
-    untraceable: Mapping[int, str] | None = None,
+    learned: Learned | None,
 ) -> Plan:
     check_choice("mode", mode, MODES)
     check_choice("strategy", strategy, STRATEGIES)
-    tree = _Tree(classify or boundaries.classify, breaks, measured, untraceable)
+    tree = _Tree(classify or boundaries.classify, learned or Learned())
     target = unwrap(module)
     found = tuple(
         (name, tree.kind(m) or "")

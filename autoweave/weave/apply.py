@@ -22,8 +22,10 @@ from autoweave._log import logger
 from autoweave._state import run
 from autoweave.planning import memory, sources
 from autoweave.planning.boundaries import own_forward, user_forward
+from autoweave.planning.learned import verdict_of
 from autoweave.planning.planner import Action, Plan
 from autoweave.weave.code_copy import on_own_code
+from autoweave.weave.first_call_memory import FirstCall
 from autoweave.weave.pieces import CheckpointPieces
 
 _labels = itertools.count()
@@ -301,7 +303,7 @@ def _measuring_first_call(
     def failed() -> tuple[str, ...]:
         return tuple(why for p in pieces for why in p.failed_pieces)
 
-    return memory.FirstCall(
+    return FirstCall(
         module, _without_checkpoint(module), functools.partial(_policy_bytes, pieces), done, failed
     )
 
@@ -335,11 +337,7 @@ def apply_plan(
                 below = pieces.setdefault(id(decision.checkpoint), []) if decision.pieces else None
                 forward, label = _region_forward(module, decision, compile_fn, kwargs, instrument, below)
                 applied.regions[decision.path] = label
-            elif (
-                decision.action is Action.PIECES
-                and plan.strategy == "auto"
-                and memory.verdict_of(module) is None
-            ):
+            elif decision.action is Action.PIECES and plan.strategy == "auto" and verdict_of(module) is None:
                 # auto chose pieces for this selective AC: whether they hold more than
                 # eager SAC would is measured at the first call (see ``memory``).
                 forward = _measuring_first_call(

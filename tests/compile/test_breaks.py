@@ -18,7 +18,8 @@ import autoweave
 from autoweave import _state
 from autoweave.dispatch import dispatchers
 from autoweave.observe import counting
-from autoweave.planning import checkpoint_calls, memory, planner
+from autoweave.planning import checkpoint_calls, planner
+from autoweave.planning.learned import hoist_reason
 from autoweave.planning.planner import Action
 from benchmarks.measure import forward_gemms_outside_graphs as _eager_gemms
 from tests import break_models as bm
@@ -91,7 +92,7 @@ def test_any_break_under_ac_is_compiled_around(make, n_breaks, ac):
     assert plan.woven and plan.strategy == "auto" and plan.mode == "auto"
     root = plan.decision("")
     # Selective AC: pieces, unless they were measured holding more than eager SAC (then hoist, saying so).
-    measured = memory.hoist_reason(model._orig_mod)
+    measured = hoist_reason(model._orig_mod)
     assert root.action is (Action.HOIST if ac == "full" or measured else Action.PIECES)
     assert measured is None or f"measured: {measured}" in root.reason
     assert any("graph break in its forward at break_models.py:" in d.reason for d in plan.decisions)
@@ -233,7 +234,7 @@ def test_whole_model_compile_is_woven_from_the_first_step(how, ac):
     plan = dispatchers.dispatcher_of(compiled).plan
     assert plan.woven and plan.mode == "auto" and plan.strategy == "auto"
     layer = plan.decision("layers.0")
-    measured = memory.hoist_reason(model.layers[0])  # selective AC: pieces unless measured heavier
+    measured = hoist_reason(model.layers[0])  # selective AC: pieces unless measured heavier
     assert layer.action is (Action.HOIST if ac == "full" or measured else Action.PIECES)
     # At least the capture of compiling each block (which leaves the head eager): the root's
     # forward loops over the blocks, so it is woven and its head is a region of its own.

@@ -101,12 +101,12 @@ def test_the_default_holds_at_most_eager_sac_memory_and_recomputes_no_more(block
         notes = [n for e in summary.entries() for r in summary.decision_records(e) for n in r["notes"]]
         assert any(n.startswith("measured: pieces hold") for n in notes), notes
     # Measured once: no recompile after the step that re-planned, and nothing measures any more.
-    from autoweave.planning import memory
+    from autoweave.weave.first_call_memory import FirstCall
 
     graphs = cap.graph_count
     _run(model)
     assert cap.graph_count == graphs
-    assert not any(isinstance(m.__dict__.get("forward"), memory.FirstCall) for m in model.modules())
+    assert not any(isinstance(m.__dict__.get("forward"), FirstCall) for m in model.modules())
 
 
 def test_a_policy_that_saves_the_matmuls_keeps_pieces():
@@ -117,7 +117,7 @@ def test_a_policy_that_saves_the_matmuls_keeps_pieces():
 
 
 def test_a_strategy_the_user_chose_is_kept_and_not_measured():
-    from autoweave.planning import memory
+    from autoweave.planning.learned import Learned
 
     model = _model(bm.GlueGemmBlock, "save-nothing")
     for layer in model.layers:
@@ -125,7 +125,7 @@ def test_a_strategy_the_user_chose_is_kept_and_not_measured():
     model = _compiled(model, "aot_eager")
     _run(model)
     assert dispatchers.dispatcher_of(model.layers[0]).plan.decision("").action is Action.PIECES
-    assert not memory.known(model)
+    assert not Learned.for_target(model).measured
 
 
 def test_the_users_saved_tensor_hooks_are_never_shadowed():

@@ -17,9 +17,8 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import autoweave
 from autoweave._state import run
-from autoweave.dispatch import dispatchers
+from autoweave.dispatch import context_probe, dispatchers
 from autoweave.observe import counting
-from autoweave.planning import traced_contexts
 from autoweave.planning.planner import Action
 from benchmarks.measure import forward_gemms_outside_graphs
 from tests import break_models as bm
@@ -76,7 +75,7 @@ def test_a_traceable_context_fn_of_its_own_keeps_pieces():
     def own_context_fn():  # a plain function returning torch's contexts: traceable
         return create_selective_checkpoint_contexts(bm.save_matmuls)
 
-    assert traced_contexts.why_not_traceable(own_context_fn) is None
+    assert context_probe.probe(own_context_fn) is None
     model = _model(own_context_fn)
     _train(model, "aot_eager")
     assert dispatchers.dispatcher_of(model.layers[0]).plan.decision("").action is Action.PIECES
@@ -90,14 +89,14 @@ def test_torchs_factory_is_not_called_to_be_judged():
         return bm.save_matmuls(ctx, op, *args, **kwargs)
 
     context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
-    assert traced_contexts.why_not_traceable(context_fn) is None
+    assert context_probe.probe(context_fn) is None
 
 
 def test_a_context_fn_that_raises_is_not_judged_and_raises_as_plain_torch_does():
     def raising():
         raise ValueError("the user's context_fn")
 
-    assert traced_contexts.why_not_traceable(raising) is None
+    assert context_probe.probe(raising) is None
 
 
 def test_explain_and_plan_say_hoist_for_a_wrapped_context_fn():
@@ -106,7 +105,7 @@ def test_explain_and_plan_say_hoist_for_a_wrapped_context_fn():
     assert plan.decision("").action is Action.HOIST
     # A strategy that never traces the checkpoint does not call the user's context_fn.
     bm.wrapped_context_fn.calls = 0
-    assert traced_contexts.known(block, strategy="siblings") == {}
+    assert context_probe.untraceable(block, strategy="siblings") == {}
     assert bm.wrapped_context_fn.calls == 0
 
 

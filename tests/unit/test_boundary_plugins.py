@@ -9,6 +9,7 @@ import pytest
 import torch.nn as nn
 
 from autoweave import _state
+from autoweave.dispatch import plan_inputs
 from autoweave.planning import boundaries
 
 
@@ -31,7 +32,7 @@ def _install_plugin(root: Path, value: str) -> None:
 @pytest.fixture
 def fresh_plugins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
-    monkeypatch.setattr(boundaries, "_entry_points_loaded", False)
+    monkeypatch.setattr(plan_inputs, "_plugins_loaded", False)
     monkeypatch.setattr(boundaries, "_predicates", [])
     monkeypatch.setattr(_state.run, "swallowed", {})
     monkeypatch.setattr(_state.run, "warned_keys", set())
@@ -46,6 +47,7 @@ def test_the_entry_point_group_is_the_published_one() -> None:
 
 def test_a_plugin_declared_under_the_group_classifies_modules(fresh_plugins: Path) -> None:
     _install_plugin(fresh_plugins, "awplugin:opaque")
+    plan_inputs.load_boundary_plugins()  # before the first plan
     assert boundaries.classify(Opaque()) == "opaque kernel (plug-in)"
     assert boundaries.classify(nn.Linear(2, 2)) is None
 
@@ -55,6 +57,7 @@ def test_a_plugin_that_fails_to_load_is_one_warning_and_planning_goes_on(
     fresh_plugins: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     _install_plugin(fresh_plugins, "awplugin:missing_function")
+    plan_inputs.load_boundary_plugins()
     assert boundaries.classify(Opaque()) is None
     err = capfd.readouterr().err
     assert err.count("[boundary-plugin]") == 1 and "'opaque'" in err

@@ -34,7 +34,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave._failopen",
     ),
     # plan/: the decision. Reading the tree and the user's code (changes, source places,
-    # checkpoints in code, boundaries, learned breaks, what pieces hold), then the planner.
+    # checkpoints in code, boundaries, learned breaks, what pieces hold), what the run learned,
+    # then the planner.
     (
         "autoweave.planning",
         "autoweave.planning.tree_changes",
@@ -44,6 +45,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.planning.learned_breaks",
         "autoweave.planning.memory",
         "autoweave.planning.traced_contexts",
+        "autoweave.planning.learned",
         "autoweave.planning.planner",
     ),
     # weave/: the side effects, the only code that changes modules.
@@ -52,6 +54,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.weave.code_copy",
         "autoweave.weave.pieces",
         "autoweave.weave.decorated_checkpoints",
+        "autoweave.weave.first_call_memory",
         "autoweave.weave.apply",
     ),
     # observe/: what dynamo says (counting, graph-break places, TORCH_LOGS) and what autoweave
@@ -65,9 +68,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.observe.trace",
         "autoweave.observe.report",
     ),
-    # dispatch/: the hot path. Dispatchers behind compiled modules, the routes, the patches on torch.
+    # dispatch/: the hot path. The tree watch, the context probe and the planner's inputs, dispatchers
+    # behind compiled modules, the routes, the patches on torch.
     (
         "autoweave.dispatch",
+        "autoweave.dispatch.tree_watch",
+        "autoweave.dispatch.context_probe",
+        "autoweave.dispatch.plan_inputs",
         "autoweave.dispatch.dispatchers",
         "autoweave.dispatch.routes",
         "autoweave.dispatch.patches",

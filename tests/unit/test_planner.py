@@ -12,6 +12,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autoweave.planning import boundaries, planner
+from autoweave.planning.learned import Learned
 from autoweave.planning.planner import Action
 
 
@@ -271,15 +272,19 @@ def test_auto_picks_hoist_for_full_pieces_for_selective_push_down_for_a_custom_c
 def test_a_block_measured_holding_more_as_pieces_is_hoisted_under_auto_only():
     block = _moe_block("selective")
     why = "pieces hold 0.61 MB for backward, eager selective AC 0.15 MB (its input and its policy's saves)"
-    plan = planner.plan(block, measured={id(block): why})
+    plan = planner.plan(block, learned=Learned(measured={id(block): why}))
     root = plan.decision("")
     assert root.action is Action.HOIST and why in root.reason and root.ac.selective
     assert plan.decision("_checkpoint_wrapped_module").action is Action.SPLIT
     # A strategy the user chose is kept, measured or not; another block is not affected.
     assert (
-        planner.plan(block, strategy="pieces", measured={id(block): why}).decision("").action is Action.PIECES
+        planner.plan(block, strategy="pieces", learned=Learned(measured={id(block): why})).decision("").action
+        is Action.PIECES
     )
-    assert planner.plan(block, measured={id(nn.Linear(2, 2)): why}).decision("").action is Action.PIECES
+    assert (
+        planner.plan(block, learned=Learned(measured={id(nn.Linear(2, 2)): why})).decision("").action
+        is Action.PIECES
+    )
 
 
 def test_selective_ac_push_down_is_pushed_into_every_region():

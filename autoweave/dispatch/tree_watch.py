@@ -1,0 +1,116 @@
+"""What moves the tree-change signal from outside autoweave: registrations, and ``fully_shard``.
+
+``planning/tree_changes`` keeps the counter; this module installs the two
+watches that bump it, each through the install registry with its undo:
+
+- a submodule registered into a module some compiled tree was read from
+  (torch's global registration hook: ``parent.child = ...``, ``add_module``,
+  FSDP1 wrapping a child, ``apply_activation_checkpointing``);
+- ``fully_shard`` running: it swaps a module's class in place, which no hook
+  sees; ``FSDPState.init`` runs once per call, whatever name the user imported
+  ``fully_shard`` under.
+
+Registrations that change no compiled tree do not bump:
+
+- into a module no tree walk has read (``tree_changes.watch``): a fresh
+  container, such as the ``ModuleList`` that ``self.layers[:n]`` builds at
+  every forward of a transformers decoder, or the graph modules a backend
+  builds. A tree can only grow through a module it already holds, and a module
+  attached to a tree is read by the walk its own registration triggers, so
+  nothing is missed;
+- of the child a module already holds under that name (assigned again);
+- while dynamo traces (the slice inside ``torch.compile(model)``): the hook is
+  traced too, and a write to ``run.generation`` there would make dynamo guard
+  on autoweave's counter and recompile the model at every call. Under
+  ``torch.compiler.is_compiling()``, which dynamo folds to True, the hook does
+  nothing; nothing of it reaches the graph or its guards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from autoweave import _compat, _installs
+from autoweave._failopen import warn_each
+from autoweave._log import logger
+from autoweave._state import run
+from autoweave.planning.tree_changes import bump
+
+_is_compiling: Any = None  # torch.compiler.is_compiling, once torch is imported (install)
+
+
+def _on_registration(module: Any, name: str, submodule: Any) -> None:
+    # Cheapest test first; dynamo folds it to True while tracing, so the
+    # rest is never traced (see the module docstring).
+    if _is_compiling():
+        return
+    if module in run.watched and _compat.children_of(module).get(name) is not submodule:
+        bump()
+
+
+def install() -> None:
+    """Start watching (each part installed once, undone by ``autoweave.disable()``)."""
+    global _is_compiling
+    import torch
+
+    _is_compiling = torch.compiler.is_compiling
+    _installs.install("module registration hook (tree changes)", _add_registration_hook)
+    # FSDP2 loads when the user imports it, not with torch: hook its module
+    # (at once if it is already imported) rather than import it here.
+    for name in _compat.FSDP2_STATE_MODULES:
+        _installs.install(f"import hook on {name} (fully_shard watch)", lambda name=name: _hook_import(name))
+    bump()
+
+
+def _add_registration_hook() -> Callable[[], None] | None:
+    handle = _compat.register_module_registration_hook(_on_registration)
+    if handle is None:
+        return None
+
+    def undo() -> None:
+        handle.remove()
+        bump()  # plans made while watching are read again if autoweave comes back
+
+    return undo
+
+
+def _hook_import(name: str) -> Callable[[], None]:
+    from autoweave import _importhook
+
+    _importhook.register(name, _watch_fully_shard)
+    return lambda: _importhook.unregister(name, _watch_fully_shard)
+
+
+def _watch_fully_shard(state_module: Any) -> None:
+    state_cls = getattr(state_module, "FSDPState", None)
+    original = getattr(state_cls, "__dict__", {}).get("init")
+    if original is None:
+        logger.debug("FSDPState.init not found: fully_shard after a first forward is not watched")
+        return
+    # Both FSDP2 module paths may name one class: one patch.
+    _installs.install(
+        f"patch {state_cls.__module__}.FSDPState.init (fully_shard watch)",
+        lambda: _wrap_init(state_cls, original),
+    )
+
+
+def _wrap_init(state_cls: type, original: Any) -> Callable[[], None]:
+    on = [True]
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if on[0]:
+            bump()
+        return original(self, *args, **kwargs)
+
+    init.__wrapped__ = original  # type: ignore[attr-defined]
+    state_cls.init = init  # type: ignore[attr-defined]
+
+    def undo() -> None:
+        on[0] = False  # left in place below someone else's: passes calls straight through
+        if state_cls.__dict__.get("init") is init:
+            state_cls.init = original  # type: ignore[attr-defined]
+            return
+        warn_each("patch-shadowed:FSDPState.init", _installs.shadowed_message("FSDPState.init"))
+
+    return undo

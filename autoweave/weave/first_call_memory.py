@@ -1,0 +1,180 @@
+"""The first call of a block woven as ``pieces``, measured: what its pieces hold for backward.
+
+``planning/memory`` says what is measured and how it is judged (``Verdict``);
+this module measures it, around the block's first call with grad:
+
+- what pieces hold: every tensor autograd saves during the block's forward
+  passes through saved-tensor hooks installed around the call (``SavedBytes``;
+  none of torch's eager checkpoints runs inside, whose own hooks would take
+  precedence); a storage counts once, parameters not at all;
+- what eager selective AC would hold: the block's tensor inputs
+  (``tensor_bytes``) and its policy's saves, as the pieces' tracing showed them.
+
+The verdict is kept for every block of its kind (``planning/learned``); the
+measure then steps aside (``FirstCall``), so later calls pay nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from autoweave import _compat
+from autoweave._log import logger
+from autoweave.planning import learned
+from autoweave.planning.memory import Verdict
+
+
+class _Storages:
+    """Distinct storages of tensors (data pointer -> storage), sized when asked.
+
+    Sized at the end, not when saved: a storage FSDP freed after the forward
+    (an unsharded parameter, resized to nothing) holds nothing. Parameters,
+    and whatever shares their storage (a transposed weight saved for
+    backward), are kept anyway and left out.
+    """
+
+    def __init__(self) -> None:
+        self.storages: dict[int, Any] = {}
+        self.parameters: set[int] = set()
+
+    def add(self, tensor: Any) -> None:
+        import torch.nn as nn
+
+        try:
+            storage = tensor.untyped_storage()
+            pointer = storage.data_ptr()
+        except Exception:  # a subclass without one storage: not counted
+            return
+        if isinstance(tensor, nn.Parameter):
+            self.parameters.add(pointer)
+        else:
+            self.storages.setdefault(pointer, storage)
+
+    def leave_out(self, module: Any) -> None:
+        """Leave out the storages of ``module``'s parameters and buffers (as they are now)."""
+        for tensor in (*module.parameters(), *module.buffers()):
+            try:
+                self.parameters.add(tensor.untyped_storage().data_ptr())
+            except Exception:
+                pass
+
+    @property
+    def total(self) -> int:
+        return sum(s.nbytes() for pointer, s in self.storages.items() if pointer not in self.parameters)
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of the distinct storages of the tensors in ``value`` (nested tuples, lists, dicts)."""
+    import torch
+
+    storages = _Storages()
+
+    def visit(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            storages.add(item)
+        elif isinstance(item, (tuple, list)):
+            for inner in item:
+                visit(inner)
+        elif isinstance(item, dict):
+            for inner in item.values():
+                visit(inner)
+
+    visit(value)
+    return storages.total
+
+
+class SavedBytes:
+    """While inside: every tensor autograd saves for backward is counted (``total`` bytes, ``count``).
+
+    The hooks hand each tensor back unchanged. Inside an eager checkpoint its
+    own hooks take precedence and this counts nothing of it.
+    """
+
+    def __init__(self) -> None:
+        self._storages = _Storages()
+        self.count = 0
+        self._hooks: Any = None
+
+    def _pack(self, tensor: Any) -> Any:
+        if not _compat.is_fake(tensor):  # a trace that runs meanwhile (dynamo's, a piece's inspection)
+            self.count += 1
+            self._storages.add(tensor)
+        return tensor
+
+    @staticmethod
+    def _unpack(tensor: Any) -> Any:
+        return tensor
+
+    @property
+    def total(self) -> int:
+        return self._storages.total
+
+    def leave_out(self, module: Any) -> None:
+        self._storages.leave_out(module)
+
+    def __enter__(self) -> SavedBytes:
+        import torch
+
+        # Never traced: autograd calls the hooks from wherever a tensor is saved, also from
+        # eager code that runs under a compiled frame (a piece that runs eager), and dynamo
+        # would compile the hook there, on every call (its storage pointers break the graph),
+        # until the recompile limit: NeMo's selective AC showed 23 recompiles against hoist's 2.
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(
+            _compat.disable(self._pack, recursive=True), _compat.disable(self._unpack, recursive=True)
+        )
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class FirstCall:
+    """A pieces block's forward that measures its first call with grad, then gets out of the way.
+
+    ``forward`` runs the block without its checkpoint (the pieces carry it);
+    ``policy_bytes()`` is what the policy saved while the pieces were traced
+    (None: not known), ``failed()`` why pieces autoweave could not compile ran
+    eager (a block whose pieces fail is planned with hoist); ``done(verdict)`` is told once, at the first call with
+    grad (None: not measured, the caller's saved-tensor hooks were active), and
+    is expected to install ``forward`` in place of this object.
+    """
+
+    def __init__(
+        self,
+        wrapper: Any,
+        forward: Callable[..., Any],
+        policy_bytes: Callable[[], int | None],
+        done: Callable[[Verdict | None], None],
+        failed: Callable[[], tuple[str, ...]] = tuple,
+    ) -> None:
+        self.wrapper = wrapper
+        self.forward = forward
+        self.policy_bytes = policy_bytes
+        self.failed = failed
+        self.done = done
+        self.finished = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if self.finished or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self.forward(*args, **kwargs)
+        self.finished = True
+        if _compat.saved_tensors_hooks_active():
+            # The user's hooks (offloading, say) or an eager checkpoint around the
+            # call: ours would shadow them. Not measured; pieces stay.
+            out = self.forward(*args, **kwargs)
+            self.done(None)
+            return out
+        with SavedBytes() as saved:
+            out = self.forward(*args, **kwargs)
+        saved.leave_out(self.wrapper)
+        policy = self.policy_bytes()
+        eager_sac = None if policy is None else tensor_bytes((args, kwargs)) + policy
+        verdict = Verdict(saved.total, eager_sac, self.failed())
+        logger.info("%s: %s", type(self.wrapper).__name__, verdict.describe())
+        learned.learn_verdict(self.wrapper, verdict)
+        self.done(verdict)
+        return out
