@@ -39,11 +39,6 @@ def attach(module: Any, dispatcher: Any) -> None:
         _dispatchers[module] = dispatcher
 
 
-def detach(module: Any) -> None:
-    with _lock:
-        _dispatchers.pop(module, None)
-
-
 def installed(forward: Any) -> bool:
     """Is this forward one of autoweave's installs (it knows what it replaced)?"""
     return forward is not None and hasattr(forward, PRIOR)
