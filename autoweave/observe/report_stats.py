@@ -241,7 +241,7 @@ class _Stats:
                 ),  # autoweave/observe/graph_breaks.py
                 "recompile_limit_hits": list(self.limit_hits),
             },
-            # One steady call of each compiled module, from autograd's record (measure_next_call).
+            # One steady call of each compiled module, from autograd's record (observe.measure).
             "measured": {
                 "modules": len(measured),
                 "fully_compiled": sum(1 for m in measured.values() if m["eager_gemms"] == 0),

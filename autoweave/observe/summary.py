@@ -153,6 +153,14 @@ def model_names() -> dict[tuple[str, int], str]:
     return {(cls, i): cls if per_class[cls] == 1 else f"{cls}#{i}" for cls, i in models}
 
 
+def _fold(entries: list[Entry]) -> str:
+    """The entries' names folded (``layers.1-3``), model by model: two models' layers never fold into one."""
+    by_model: dict[Any, list[str]] = {}
+    for entry in entries:
+        by_model.setdefault(entry.model, []).append(entry.shown)
+    return ", ".join(fold_names(names) for names in by_model.values())
+
+
 def format_summary(entries: list[Entry], *, covers: str = "") -> str:
     """The plan log: one tree for all modules, identical plans folded into one line.
 
@@ -169,7 +177,7 @@ def format_summary(entries: list[Entry], *, covers: str = "") -> str:
     for members in groups.values():
         first = members[0]
         if not first.plan.woven:
-            names = fold_names([m.shown for m in members])
+            names = _fold(members)
             count = f"{len(members)} × " if len(members) > 1 else ""
             lines.append(f"  {names} ({count}{first.type_name}): {first.plan.headline()}")
             continue
@@ -178,10 +186,7 @@ def format_summary(entries: list[Entry], *, covers: str = "") -> str:
         if len(members) > 1:
             rest = members[1:]
             if all(m.name for m in rest):
-                lines.append(
-                    f"  {fold_names([m.full_name for m in rest])} ({len(rest)} × {first.type_name}): "
-                    f"same plan as {first.shown}"
-                )
+                lines.append(f"  {_fold(rest)} ({len(rest)} × {first.type_name}): same plan as {first.shown}")
             else:
                 lines.append(f"  {len(rest)} more × {first.type_name}: same plan")
     return "\n".join(lines)
@@ -369,7 +374,7 @@ def _covers(entries: list[Entry]) -> str:
     world = world_size()
     if world < 2:
         return ""
-    return f"rank {rank()} of {world} covers {fold_names([e.shown for e in entries])}"
+    return f"rank {rank()} of {world} covers {_fold(entries)}"
 
 
 def _kind(plan: Plan) -> str:
@@ -386,11 +391,11 @@ def format_replans(changes: list[tuple[Entry, Entry]]) -> list[str]:
         change = f"{was} -> {now}" if was != now else "plan changed"
         root = new.plan.decision("")
         why = root.reason if root is not None else new.plan.headline()
-        groups.setdefault((new.type_name, change, why), []).append(new.shown)
+        groups.setdefault((new.type_name, change, why), []).append(new)
     lines = []
-    for (type_name, change, why), names in groups.items():
-        count = f"{len(names)} × " if len(names) > 1 else ""
-        lines.append(f"{fold_names(names)} ({count}{type_name}): re-planned: {change}: {why}")
+    for (type_name, change, why), members in groups.items():
+        count = f"{len(members)} × " if len(members) > 1 else ""
+        lines.append(f"{_fold(members)} ({count}{type_name}): re-planned: {change}: {why}")
     return lines
 
 
