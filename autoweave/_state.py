@@ -45,6 +45,9 @@ class RunState:
         self.plans: dict[int, Any] = {}
         self.unsummarised: list[int] = []
         self.summary_pending = False
+        self.summarised: dict[int, Any] = {}  # id(dispatcher) -> the entry the last summary showed
+        # plan_log: each model (root module) a plan was found in -> (its class, index among that class's).
+        self.models: weakref.WeakKeyDictionary[Any, tuple[str, int]] = weakref.WeakKeyDictionary()
         # _trace: region label -> what its structured-trace artifact says.
         self.trace_regions: dict[str, dict[str, Any]] = {}
         # report: the label each plain compile autoweave routed is counted under.

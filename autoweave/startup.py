@@ -220,9 +220,9 @@ def _on_torch_import(module: "Any") -> None:
     with guard("starting the report", fallback="no plan summary or report at exit"):
         # The plan summary at exit (when no second step logged it) and, with
         # AUTOWEAVE_REPORT, the report.
-        from autoweave.observe import report
+        from autoweave.observe import subscriptions
 
-        report.install(_settings.current())
+        subscriptions.install(_settings.current())
     with guard("applying TORCH_LOGS to the autoweave logger"):  # autoweave/observe/torch_logs.py
         from autoweave import _log
         from autoweave.observe import torch_logs

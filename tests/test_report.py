@@ -18,7 +18,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 import autoweave
 from autoweave import _log, _state
 from autoweave._settings import Settings
-from autoweave.observe import report, summary
+from autoweave.observe import report, report_exit, summary
 from benchmarks.measure import forward_gemms_outside_graphs
 from tests.models import Block, RecompileLimitHits, recompiles, train_chain
 
@@ -146,7 +146,7 @@ def test_report_counts_match_a_counting_backend(weave_on, tmp_path) -> None:
     # step 2, as by the profiler's, every GEMM ran outside a compiled graph.
     assert data["measured"]["modules"] == 4, data["measured"]
     assert data["measured"]["eager_gemms"] == outside > 0, (data["measured"], outside)
-    summary = report.format_exit_summary(data, "r0.json")
+    summary = report_exit.format_exit_summary(data, "r0.json")
     assert f"{graphs} graphs, {ops} ops captured" in summary
     assert "checkpointed regions that fell back to eager: 0" in summary
     assert len(summary.splitlines()) <= 20
@@ -160,7 +160,7 @@ def test_fallback_detected_for_compiles_autoweave_did_not_route(weave_on) -> Non
     data = report.stop()
     assert data["ac_fallbacks"]["count"] >= 1
     assert "fall back to eager-mode PyTorch" in data["ac_fallbacks"]["messages"][0]["message"]
-    assert "WARNING" in report.format_exit_summary(data, None)
+    assert "WARNING" in report_exit.format_exit_summary(data, None)
 
 
 def test_instrument_is_a_no_op_without_a_report() -> None:
@@ -481,7 +481,7 @@ def test_pieces_that_run_eager_are_not_counted_as_captured(weave_on) -> None:
     assert any(
         "ran eager under its checkpoint" in why and "cannot compile a checkpoint" in why for why in reasons
     )
-    summary_text = report.format_exit_summary(data, None)
+    summary_text = report_exit.format_exit_summary(data, None)
     assert "not captured:" in summary_text and "ran eager" in summary_text
     # The headline, measured from autograd's record of one call per compiled module, against the
     # profiler's count of the same forward (which also counts the head, outside every compile).

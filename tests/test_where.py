@@ -10,7 +10,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
 from autoweave import _state
-from autoweave.observe import graph_breaks, report
+from autoweave.observe import graph_breaks, report, report_exit
 from autoweave.planning import planner
 from tests import models
 
@@ -92,7 +92,7 @@ def test_report_names_where_dynamo_broke_and_where_ac_fell_back(plain_torch: Non
     sites = data["dynamo"]["graph_break_sites"]
     assert set(sites) <= set(data["dynamo"]["graph_break_reasons"])
     assert CALL in {site for found in sites.values() for site in found}
-    summary = report.format_exit_summary(data, None)
+    summary = report_exit.format_exit_summary(data, None)
     assert f"at {CALL}" in summary
 
 

@@ -1,27 +1,35 @@
-"""The routing point: every compile and checkpoint_wrapper request passes through here.
+"""The dispatcher behind each compiled module: a state machine that plans at the first forward.
 
-``torch.compile(module)`` still returns an ``OptimizedModule`` and
-``module.compile()`` still compiles in place; what changes is that the decision
-is deferred to the first forward. By then ``fully_shard`` has usually run (the
-common order is AC, then compile, then FSDP), so the boundaries are known. The
-decision is re-made if the module tree under the target changes later.
+``dispatch.routes`` attaches one to every module handed to ``torch.compile`` or
+``module.compile()``; torch's compiled forward slot then holds the dispatcher's
+``call``. At the first forward (and again when the module tree under it
+changed) the dispatcher asks the planner for a plan, has ``weave.apply``
+install it, and runs it: plain torch.compile, or the woven regions. Its life is
+one ``State``, every move checked against ``_TRANSITIONS``: a move the table
+forbids is refused in every mode (strict mode raises; otherwise one
+``[internal-error]`` warning and the module runs plain torch.compile).
+
+The machine only moves: each move, plan and fallback is published
+(``autoweave._events``) and the observers (the plan summary, the report, the
+structured trace) subscribe; nothing here calls them to notify.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
+import torch
 import torch.nn as nn
 
-from autoweave import _compat, _instances, _settings
+from autoweave import _compat, _events, _instances, _settings
 from autoweave._failopen import AutoweaveError, FailedFrames, _strict, frames_fail_open, guard, swallowed
 from autoweave._log import logger
 from autoweave._state import run as _run
 from autoweave.dispatch import plan_inputs
+from autoweave.dispatch.states import _RUNS_REGIONS, _TRANSITIONS, State, Why
 from autoweave.observe import counting, graph_breaks, report, summary
 from autoweave.planning import learned_breaks, planner, tree_changes
 from autoweave.planning.learned import hoist_reason, learn_breaks
@@ -45,50 +53,6 @@ def _fingerprint(target: nn.Module) -> tuple:
     tree_changes.watch(m for _, m in modules)  # a registration into any of them moves the signal
     # A block measured holding more as pieces than eager SAC would is planned again (memory).
     return tuple((name, type(m), getattr(m, MARK, None), hoist_reason(m)) for name, m in modules)
-
-
-class State(enum.Enum):
-    """Where a dispatcher is in its life; ``_Dispatcher.state`` holds one, ``_TRANSITIONS`` the moves."""
-
-    UNPLANNED = "unplanned"  # attached to a compiled module; its first forward decides
-    PLAIN = "plain"  # runs what plain torch.compile would (the plan weaves nothing, or it was given up)
-    WATCHING = "watching"  # plain, and the next call is watched for dynamo's silent AC fallback
-    LEARNED = "learned"  # a fallback taught where a block breaks: the new plan applies at the next call
-    TRIAL = (
-        "trial"  # woven; the next call is the regions' first, which compiles them (runs once, whatever fails)
-    )
-    WOVEN = "woven"  # woven and compiled: every call runs the installed regions
-    GIVEN_UP = "given-up"  # fullgraph=True met a break outside the boundaries: plain torch (which raises)
-
-
-class Why(enum.Enum):
-    """Each way a dispatcher plans again or falls back, named (the debug log and ``history`` say which)."""
-
-    PLANNED = "planned at the first call"
-    TREE_CHANGED = "the module tree under the target changed: planned again"
-    OFF = "autoweave was turned off before the plan was applied: plain torch.compile"
-    PLANNING_FAILED = "planning failed (autoweave's own error): plain torch.compile"
-    WATCHED = "the watched first call ran: plain from now on unless dynamo fell back"
-    FELL_BACK = "dynamo ran a checkpointed region eager: re-planned around the break, applied next call"
-    APPLIED = "the plan learned from a fallback is applied"
-    APPLY_FAILED = "applying the learned plan failed (autoweave's own error): plain torch.compile"
-    COMPILED = "the woven regions ran their first call"
-    FULLGRAPH_BREAK = "fullgraph=True and a graph break outside the boundaries: plain torch.compile"
-    RELEASED = "compiled again in place: the newer dispatcher takes over"
-
-
-# The moves a dispatcher may make, in one place. Planning (at the first call, or
-# when the tree changed) may start from any state: it is the ``_decide`` path.
-_DECIDED = frozenset({State.PLAIN, State.WATCHING, State.TRIAL})
-_TRANSITIONS: dict[State, frozenset[State]] = {
-    State.UNPLANNED: _DECIDED,
-    State.PLAIN: _DECIDED | {State.LEARNED},  # LEARNED: the watched call (now PLAIN) fell back
-    State.WATCHING: _DECIDED | {State.PLAIN},
-    State.LEARNED: _DECIDED | {State.PLAIN},  # TRIAL or PLAIN: the learned plan applied, or failed
-    State.TRIAL: _DECIDED | {State.WOVEN, State.LEARNED, State.GIVEN_UP},
-    State.WOVEN: _DECIDED,
-    State.GIVEN_UP: _DECIDED,
-}
 
 
 class _Dispatcher:
@@ -132,28 +96,94 @@ class _Dispatcher:
         self._call_traced = True  # torch.compile(module) traces __call__; in-place compile does not
         # What a first-call fallback taught (modules that break, planning options): kept for re-plans.
         self._learned: dict[str, Any] = {}
+        self._observed: set[str] = set()  # "_eager"/"_plain" while an observer waits on it
         self.call = self._make_call()  # what torch's compiled forward slot holds: see _make_call
         _run.live.add(self)
 
     def _enter(self, state: State, why: Why) -> None:
-        """Move to ``state`` for ``why``: the one place the state changes (holding ``_lock``)."""
+        """Move to ``state`` for ``why``: the one place the state changes (holding ``_lock``).
+
+        A move ``_TRANSITIONS`` does not allow, or into a state that runs
+        regions while none are installed, is refused: it is autoweave's own
+        error, and a module must never run uncompiled for it (WOVEN without
+        regions runs the forward eager, silently). Strict mode raises
+        ``AutoweaveError`` and nothing moves; otherwise one ``[internal-error]``
+        warning and the module runs what plain torch.compile makes of it.
+        """
         with self._lock:
             if state not in _TRANSITIONS[self.state]:
-                message = f"dispatcher of {type(self.target).__name__}: {self.state.value} -> {state.value}"
-                if _strict():
-                    raise AutoweaveError(f"autoweave: a move its state machine does not allow: {message}")
-                logger.debug("unexpected move: %s (%s)", message, why.value)
-            logger.debug(
-                "%s: %s -> %s: %s", type(self.target).__name__, self.state.value, state.value, why.value
-            )
-            self.state = state
-            self.history.append((state, why))
-            # The report (when on) measures one steady call of what now runs.
-            if state is State.WOVEN:
-                report.measure_next_call(self, "_eager")
-            elif state is State.PLAIN and report.active():
+                self._refuse(state, why, "its state machine does not allow that move")
+            elif state in _RUNS_REGIONS and self._applied is None:
+                self._refuse(state, why, "no compiled regions are installed")
+            else:
+                self._move(state, why)
+
+    def _move(self, state: State, why: Why) -> None:
+        logger.debug("%s: %s -> %s: %s", type(self.target).__name__, self.state.value, state.value, why.value)
+        self.state = state
+        self.history.append((state, why))
+        _events.publish(_events.MOVED, self, state.value, why.value)
+
+    def _refuse(self, state: State, why: Why, reason: str) -> None:
+        move = f"{self.state.value} -> {state.value} ({why.value})"
+        message = (
+            f"the dispatcher of {type(self.target).__name__} refused the move {move}: {reason}; "
+            "the module runs as plain torch.compile would"
+        )
+        # Strict mode raises here, before anything changed.
+        swallowed("internal-error", "internal-error", message, AutoweaveError(f"autoweave: {message}"))
+        self._release()
+        self._pending = None
+        if self.plan is not None and self.plan.woven:
+            self.plan = self.plan.plain_instead(f"autoweave refused the move {move}")
+            _events.publish(_events.PLANNED, self, self.plan)
+        self._move(State.PLAIN, Why.REFUSED)
+
+    def observe_next_call(self, before: Callable[[], Callable[[Any], None] | None], *, skip: int = 0) -> None:
+        """Offer the next call of what runs now (plain or woven) to an observer, once.
+
+        After ``skip`` calls, ``before()`` runs just before a call of the
+        forward (not dynamo tracing it, not a checkpoint recomputing it) and
+        returns ``None`` to pass (the next call is offered again) or
+        ``after(out)``, called with that call's output; then observing ends and
+        later calls cost nothing. Nothing else about the call changes. One
+        observer at a time; in any other state than PLAIN or WOVEN, none.
+        """
+        with self._lock:
+            if self.state is State.WOVEN:
+                attr = "_eager"
+            elif self.state is State.PLAIN:
                 self._plain_forward()
-                report.measure_next_call(self, "_plain", skip=1)  # this call compiles: the next one
+                attr = "_plain"
+            else:
+                return
+            if attr in self._observed:
+                return
+            call = getattr(self, attr)
+            left = [skip]
+
+            def observed(*args: Any, **kwargs: Any) -> Any:
+                after = None
+                if (
+                    self.__dict__.get(attr) is observed
+                    and not torch.compiler.is_compiling()
+                    and not _compat.in_backward()  # a checkpoint's recompute: not a call of the forward
+                ):
+                    if left[0] > 0:
+                        left[0] -= 1
+                    else:
+                        after = before()
+                        if after is not None:  # one call: a recompute inside runs what ran before
+                            with self._lock:
+                                setattr(self, attr, call)
+                                self._observed.discard(attr)
+                out = call(*args, **kwargs)
+                if after is not None:
+                    after(out)
+                return out
+
+            setattr(self, attr, observed)
+            self._observed.add(attr)
 
     # How the dispatcher is put in place -------------------------------------------------
 
@@ -221,7 +251,8 @@ class _Dispatcher:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             if not dispatcher.ensure_decided() and dispatcher._called and _run.summary_pending:
-                summary.next_call(dispatcher)  # called again: every block has planned; log the one summary
+                # Called again: every block has planned; the plan summary is logged now.
+                _events.publish(_events.CALLED_AGAIN, dispatcher)
             dispatcher._called = True
             state = dispatcher.state
             if state is State.WOVEN:
@@ -255,7 +286,7 @@ class _Dispatcher:
             out = call(*args, **kwargs)
         if watch.count:
             self._on_hidden_fallback(where.stacks)
-            report.on_woven_around(watch.count)
+            _events.publish(_events.WOVEN_AROUND, self, watch.count)
         return out
 
     def _first_woven_call(self, args: tuple, kwargs: dict) -> Any:
@@ -330,12 +361,12 @@ class _Dispatcher:
         with self._lock:
             plan = self.plan
             self._release()
-            self._enter(
-                State.GIVEN_UP, Why.FULLGRAPH_BREAK
-            )  # plain fullgraph compile: it raises at every call
+            self._pending = None  # a fallback in this call taught a plan: given up with the rest
+            # Plain fullgraph compile from now on: it raises at every call, as plain torch would.
+            self._enter(State.GIVEN_UP, Why.FULLGRAPH_BREAK)
             if plan is not None:
                 self.plan = plan.plain_instead("fullgraph=True and a graph break outside the boundaries")
-                summary.record_plan(self, self.plan, plain_label=report.plain_label(self.target))
+                _events.publish(_events.PLANNED, self, self.plan)
         first = unexpected[0]
         raise _compat.fullgraph_break(
             f"fullgraph=True: graph break at {first.site} ({first.reason or 'see TORCH_LOGS=graph_breaks'}); "
@@ -365,7 +396,7 @@ class _Dispatcher:
         if failed:
             self._release()
             self.plan = None
-            self._enter(State.PLAIN, Why.PLANNING_FAILED)
+            self._enter(State.PLAIN, Why.FAILED)
             return
         if self.state is State.PLAIN and self._watches(mode):
             self._enter(State.WATCHING, why)
@@ -421,7 +452,7 @@ class _Dispatcher:
         self.skip_outer_checkpoint = plan.outer_push_down is not None and self._applied is not None
         self._enter(State.TRIAL if self._applied is not None else State.PLAIN, why)
         logger.debug("%s: %s", plan.root_type, plan.headline())
-        summary.record_plan(self, plan, plain_label=report.plain_label(self.target))
+        _events.publish(_events.PLANNED, self, plan)
 
     def _on_hidden_fallback(self, stacks: list[tuple[str, list[Any]]]) -> None:
         with self._lock, guard(f"re-planning {type(self.target).__name__}"):
@@ -477,7 +508,7 @@ class _Dispatcher:
                     self._apply(plan, Why.APPLIED)
             if failed or plan is None:
                 self._release()
-                self._enter(State.PLAIN, Why.APPLY_FAILED)
+                self._enter(State.PLAIN, Why.FAILED)
 
     def _release(self) -> None:
         """Undo what the current plan installed (before a re-plan, or a fallback)."""

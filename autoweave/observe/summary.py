@@ -1,9 +1,14 @@
 """The plan summary: every compiled module's plan, named by its place in the model, logged once.
 
-Every compiled module's plan is recorded at its first forward, named by its
-place in the model (``layers.3``). Once all of them have planned (the first
-planned module is called again: the next step began) or at exit, rank 0 logs
-one compact tree, identical blocks folded into one line.
+Every compiled module's plan is recorded when its dispatcher applies it
+(``_events.PLANNED``), named by its place in the model (``layers.3``; with
+several models compiled in one process, by their root's class first, with an
+index when two share it: ``Policy.layers.3``, ``Transformer#1.layers.3``). Once
+all of them have planned (the first planned module is called again: the next
+step began) or at exit, rank 0 logs one compact tree, identical blocks folded
+into one line; in a job of several ranks the head line says which modules it
+covers (under pipeline parallel, one stage's). A module planned again after it
+was summarised gets one line saying what changed.
 """
 
 from __future__ import annotations
@@ -12,14 +17,13 @@ import logging
 import re
 import sys
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoweave import _compat
+from autoweave import _compat, _events
 from autoweave._failopen import guard
 from autoweave._instances import dispatcher_of
-from autoweave._log import SUMMARY, logger, rank
+from autoweave._log import SUMMARY, logger, rank, world_size
 from autoweave._state import run
 from autoweave.planning import sources
 from autoweave.planning.planner import Action, Plan
@@ -114,43 +118,75 @@ def fold_names(names: list[str]) -> str:
 class Entry:
     """One compiled module's plan, as the summary and the report show it."""
 
-    name: str  # qualified name in the model ("layers.3"), or "" when unknown
+    name: str  # qualified name in its model ("layers.3"), or "" when unknown
     type_name: str  # the user's block type under any wrappers
     plan: Plan
     regions: dict[str, str] = field(default_factory=dict)  # plan path -> region label
     plain_label: str | None = None  # the counted plain compile, when not woven
+    model: tuple[str, int] | None = None  # the model it was found in: its root's class, an index per class
+
+    @property
+    def full_name(self) -> str:
+        """``name``, after its model's when several models planned (``Policy.layers.3``)."""
+        if not self.name or self.model is None:
+            return self.name
+        prefix = model_names().get(self.model)
+        return f"{prefix}.{self.name}" if prefix else self.name
 
     @property
     def shown(self) -> str:
-        return self.name or self.type_name
+        return self.full_name or self.type_name
 
     def key(self) -> tuple[str, str]:
         return (self.type_name, format_plan(self.plan, type_name=self.type_name).split(": ", 1)[1])
 
 
-def format_summary(entries: list[Entry]) -> str:
-    """The plan log: one tree for all modules, identical plans folded into one line."""
+def model_names() -> dict[tuple[str, int], str]:
+    """How each model is named in front of its modules: nothing with one model, else its class (#index)."""
+    with _lock:
+        models = {e.model for e in run.plans.values() if e.model is not None and e.name}
+    if len(models) < 2:
+        return {}
+    per_class: dict[str, int] = {}
+    for cls, _ in models:
+        per_class[cls] = per_class.get(cls, 0) + 1
+    return {(cls, i): cls if per_class[cls] == 1 else f"{cls}#{i}" for cls, i in models}
+
+
+def _fold(entries: list[Entry]) -> str:
+    """The entries' names folded (``layers.1-3``), model by model: two models' layers never fold into one."""
+    by_model: dict[Any, list[str]] = {}
+    for entry in entries:
+        by_model.setdefault(entry.model, []).append(entry.shown)
+    return ", ".join(fold_names(names) for names in by_model.values())
+
+
+def format_summary(entries: list[Entry], *, covers: str = "") -> str:
+    """The plan log: one tree for all modules, identical plans folded into one line.
+
+    ``covers``: what the head line says this rank's plans cover, in a job of several ranks.
+    """
     groups: dict[tuple[str, str], list[Entry]] = {}
     for entry in entries:
         groups.setdefault(entry.key(), []).append(entry)
     woven = sum(1 for e in entries if e.plan.woven)
-    lines = [f"autoweave plan: {len(entries)} compiled module{'s' * (len(entries) != 1)}, {woven} woven"]
+    lines = [
+        f"autoweave plan: {len(entries)} compiled module{'s' * (len(entries) != 1)}, {woven} woven"
+        + (f"; {covers}" if covers else "")
+    ]
     for members in groups.values():
         first = members[0]
         if not first.plan.woven:
-            names = fold_names([m.shown for m in members])
+            names = _fold(members)
             count = f"{len(members)} × " if len(members) > 1 else ""
             lines.append(f"  {names} ({count}{first.type_name}): {first.plan.headline()}")
             continue
         lines.append(f"  {first.shown} ({first.type_name}): {first.plan.headline()}")
-        lines.extend(_decision_lines(first.plan, first.name, "    ", first.regions))
+        lines.extend(_decision_lines(first.plan, first.full_name, "    ", first.regions))
         if len(members) > 1:
             rest = members[1:]
             if all(m.name for m in rest):
-                lines.append(
-                    f"  {fold_names([m.name for m in rest])} ({len(rest)} × {first.type_name}): "
-                    f"same plan as {first.shown}"
-                )
+                lines.append(f"  {_fold(rest)} ({len(rest)} × {first.type_name}): same plan as {first.shown}")
             else:
                 lines.append(f"  {len(rest)} more × {first.type_name}: same plan")
     return "\n".join(lines)
@@ -183,9 +219,13 @@ def qualified_name(target: Any, dispatcher: Any = None, *, frame: Any = None) ->
     module holding the one found so far extends the name. "" when no caller
     holds it (a module compiled and called on its own).
     """
+    return _locate(target, dispatcher, frame or sys._getframe(1))[0]
+
+
+def _locate(target: Any, dispatcher: Any, frame: Any) -> tuple[str, Any]:
+    """``qualified_name``, and the outermost module found holding ``target`` (its model; None: none)."""
     import torch.nn as nn
 
-    frame = frame or sys._getframe(1)
     current: Any = None
     path = ""
     for _ in range(256):
@@ -207,7 +247,22 @@ def qualified_name(target: Any, dispatcher: Any = None, *, frame: Any = None) ->
                     current = owner
         frame = frame.f_back
     shown = display_path(path) if path else ""
-    return "" if shown == display_path("") else shown  # only wrapper segments: no name but its type
+    if shown == display_path(""):  # only wrapper segments: no name but its type
+        return "", None
+    return shown, current if shown else None
+
+
+def _model_of(root: Any) -> tuple[str, int] | None:
+    """The model ``root`` is: its class's name and its index among the models of that class."""
+    if root is None:
+        return None
+    with _lock:
+        known = run.models.get(root)
+        if known is None:
+            cls = inner_type(root)
+            known = (cls, sum(1 for c, _ in run.models.values() if c == cls))
+            run.models[root] = known
+    return known
 
 
 # -- the plan summary ---------------------------------------------------------------------
@@ -216,37 +271,30 @@ def qualified_name(target: Any, dispatcher: Any = None, *, frame: Any = None) ->
 # ``summary_pending``, read by the dispatcher on every call: a summary is
 # waiting for the next step).
 _lock = threading.RLock()
-# Told of every recorded plan (the report, the structured trace): see ``subscribe``.
-_listeners: list[Callable[[Entry], None]] = []
 
 
-def subscribe(listener: Callable[[Entry], None]) -> None:
-    """Call ``listener(entry)`` for every plan recorded from now on (idempotent)."""
-    with _lock:
-        if listener not in _listeners:
-            _listeners.append(listener)
+def on_planned(dispatcher: Any, plan: Plan) -> None:
+    """``_events.PLANNED``: record the plan a dispatcher applied (or gave up for plain)."""
+    record_plan(dispatcher, plan, plain_label=run.plain_labels.get(dispatcher.target))
 
 
-def unsubscribe(listener: Callable[[Entry], None]) -> None:
-    with _lock:
-        if listener in _listeners:
-            _listeners.remove(listener)
+def on_called_again(dispatcher: Any) -> None:
+    """``_events.CALLED_AGAIN``: an already planned module is called again: every block has planned."""
+    with guard("logging the plan summary", quiet=True):
+        flush()
 
 
 def record_plan(dispatcher: Any, plan: Plan, *, plain_label: str | None = None) -> Entry | None:
-    """Called by the dispatcher after it applied ``plan``; the summary is logged later. Never raises.
+    """Record ``plan``, which ``dispatcher`` applied; the summary is logged later. Never raises.
 
-    ``plain_label`` is the name the report counts the plain compile under.
+    ``plain_label`` is the name the report counts the plain compile under. The
+    recorded entry is published (``_events.PLAN_RECORDED``: the report, the trace).
     """
     with guard(f"recording the plan of {type(dispatcher.target).__name__}", quiet=True) as failed:
         entry = _record(dispatcher, plan, plain_label, sys._getframe(1))
     if failed:
         return None
-    with _lock:
-        listeners = list(_listeners)
-    for listener in listeners:
-        with guard(f"telling a plan listener about {entry.shown}", quiet=True):
-            listener(entry)
+    _events.publish(_events.PLAN_RECORDED, entry)
     return entry
 
 
@@ -254,12 +302,14 @@ def _record(dispatcher: Any, plan: Plan, plain_label: str | None, caller: Any) -
     rank()  # remember the process group's rank while it exists: the summary may come at exit
     target = dispatcher.target
     applied = getattr(dispatcher, "_applied", None)
+    name, root = _locate(target, dispatcher, caller)
     entry = Entry(
-        name=qualified_name(target, dispatcher, frame=caller),
+        name=name,
         type_name=inner_type(target),
         plan=plan,
         regions=dict(applied.regions) if applied is not None else {},
         plain_label=plain_label,
+        model=_model_of(root),
     )
     with _lock:
         key = id(dispatcher)
@@ -268,12 +318,6 @@ def _record(dispatcher: Any, plan: Plan, plain_label: str | None, caller: Any) -
             run.unsummarised.append(key)
         run.summary_pending = True
     return entry
-
-
-def next_call(dispatcher: Any) -> None:
-    """An already planned module is called again: every block has planned; log the summary."""
-    with guard("logging the plan summary", quiet=True):
-        flush()
 
 
 def waiting() -> bool:
@@ -293,19 +337,66 @@ def keyed_entries() -> list[tuple[int, Entry]]:
 
 
 def flush() -> None:
-    """Log the summary of the plans recorded since the last one (rank 0 only)."""
+    """Log the summary of the plans recorded since the last one (rank 0 only).
+
+    Modules planned for the first time get the tree (``format_summary``); a
+    module planned again since it was summarised gets one line saying what
+    changed (``format_replans``), or nothing when its plan did not.
+    """
     with _lock:
         keys, run.unsummarised[:] = list(run.unsummarised), []
         run.summary_pending = False
-        batch = [run.plans[k] for k in keys if k in run.plans]
-    if not batch or rank() != 0:
+        batch = [(k, run.plans[k]) for k in keys if k in run.plans]
+        before = {k: run.summarised.get(k) for k, _ in batch}
+        run.summarised.update(batch)
+        everything = list(run.plans.values())
+    fresh = [e for k, e in batch if before[k] is None]
+    changed = [(old, e) for k, e in batch if (old := before[k]) is not None and old.key() != e.key()]
+    if not (fresh or changed) or rank() != 0:
         return
     from autoweave import _log, _settings
 
-    woven = any(e.plan.woven for e in batch)
+    woven = any(e.plan.woven for e in fresh) or any(e.plan.woven for _, e in changed)
     if woven and _settings.current().log_level is None:
         _log.configure_default()
-    logger.log(SUMMARY if woven else logging.INFO, "%s", format_summary(batch))
+    replans = format_replans(changed)
+    if fresh:
+        lines = [format_summary(fresh, covers=_covers(everything)), *(f"  {line}" for line in replans)]
+    elif len(replans) == 1:
+        lines = [f"autoweave plan: {replans[0]}"]
+    else:
+        lines = [f"autoweave plan: {len(changed)} modules re-planned", *(f"  {line}" for line in replans)]
+    logger.log(SUMMARY if woven else logging.INFO, "%s", "\n".join(lines))
+
+
+def _covers(entries: list[Entry]) -> str:
+    """In a job of several ranks: which modules this rank's plans cover (one stage under pipeline parallel)."""
+    world = world_size()
+    if world < 2:
+        return ""
+    return f"rank {rank()} of {world} covers {_fold(entries)}"
+
+
+def _kind(plan: Plan) -> str:
+    """What a plan does with its root, in a word (``pieces``, ``hoist``, ``plain``)."""
+    root = plan.decision("")
+    return root.action.value if plan.woven and root is not None else "plain"
+
+
+def format_replans(changes: list[tuple[Entry, Entry]]) -> list[str]:
+    """One line per kind of change: ``layers.1-3 (3 × Block): re-planned: pieces -> hoist: why``."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for old, new in changes:
+        was, now = _kind(old.plan), _kind(new.plan)
+        change = f"{was} -> {now}" if was != now else "plan changed"
+        root = new.plan.decision("")
+        why = root.reason if root is not None else new.plan.headline()
+        groups.setdefault((new.type_name, change, why), []).append(new)
+    lines = []
+    for (type_name, change, why), members in groups.items():
+        count = f"{len(members)} × " if len(members) > 1 else ""
+        lines.append(f"{_fold(members)} ({count}{type_name}): re-planned: {change}: {why}")
+    return lines
 
 
 def name_of(dispatcher: Any) -> str:
@@ -313,14 +404,14 @@ def name_of(dispatcher: Any) -> str:
     with _lock:
         entry = run.plans.get(id(dispatcher))
     type_name = inner_type(dispatcher.target)
-    return f"{entry.name} ({type_name})" if entry is not None and entry.name else type_name
+    return f"{entry.full_name} ({type_name})" if entry is not None and entry.name else type_name
 
 
 def decision_records(entry: Entry) -> list[dict[str, Any]]:
     """An entry's decisions as the report and the structured trace write them (JSON-ready)."""
     return [
         {
-            "path": join_path(entry.name, d.path),
+            "path": join_path(entry.full_name, d.path),
             "type": d.module_type,
             "action": d.action.value,
             "reason": d.reason,

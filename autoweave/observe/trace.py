@@ -55,11 +55,11 @@ def plan_payload(entry: summary.Entry) -> dict[str, Any]:
         "woven": plan.woven,
         "mode": plan.mode,
         "strategy": plan.strategy,
-        "summary": summary.format_plan(plan, name=entry.name, type_name=entry.type_name),
+        "summary": summary.format_plan(plan, name=entry.full_name, type_name=entry.type_name),
         "decisions": summary.decision_records(entry),
         "boundaries": [
             {
-                "path": summary.join_path(entry.name, path),
+                "path": summary.join_path(entry.full_name, path),
                 "kind": kind,
                 "source": sources.source_dict(plan, path),
             }

@@ -248,7 +248,7 @@ def test_whole_model_compile_is_woven_from_the_first_step(how, ac):
 
 
 def test_report_tells_a_one_time_first_call_fallback_from_a_lasting_one():
-    from autoweave.observe import report
+    from autoweave.observe import report, report_exit
 
     _state.reset()
     report.start(None)
@@ -270,7 +270,7 @@ def test_report_tells_a_one_time_first_call_fallback_from_a_lasting_one():
     ]  # compiled at the first call, replaced since
     assert woven and all(r["live"] for r in woven)
     assert data["totals"]["graphs"] == sum(r["graphs"] for r in woven)
-    summary = report.format_exit_summary(data, None)
+    summary = report_exit.format_exit_summary(data, None)
     assert "WARNING" not in summary
     assert "at their first call only" in summary and "replaced by the weave" in summary
 

@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave._compat",
         "autoweave._log",
         "autoweave._failopen",
+        "autoweave._events",
     ),
     # plan/: the decision. Reading the tree and the user's code (changes, source places,
     # checkpoints in code, boundaries, learned breaks, what pieces hold), what the run learned,
@@ -66,7 +67,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.observe.torch_logs",
         "autoweave.observe.summary",
         "autoweave.observe.trace",
+        "autoweave.observe.report_stats",
         "autoweave.observe.report",
+        "autoweave.observe.measure",
+        "autoweave.observe.report_exit",
+        "autoweave.observe.subscriptions",
     ),
     # dispatch/: the hot path. The tree watch, the context probe and the planner's inputs, dispatchers
     # behind compiled modules, the routes, the patches on torch.
@@ -75,6 +80,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.dispatch.tree_watch",
         "autoweave.dispatch.context_probe",
         "autoweave.dispatch.plan_inputs",
+        "autoweave.dispatch.states",
         "autoweave.dispatch.dispatchers",
         "autoweave.dispatch.routes",
         "autoweave.dispatch.patches",
@@ -191,11 +197,11 @@ def test_importing_every_module_changes_nothing() -> None:
         "    if name != 'autoweave.__main__':\n"
         "        importlib.import_module(name)\n"
         "import _autoweave_start\n"
-        "from autoweave.dispatch import patches\nfrom autoweave.observe import summary as plan_log\n"
+        "from autoweave.dispatch import patches\nfrom autoweave import _events\n"
         "after = (torch.compile, torch.nn.Module.compile, list(sys.meta_path), atexit._ncallbacks())\n"
         "assert after == before, (before, after)\n"
         "assert not patches.applied() and not _autoweave_start._hooks, _autoweave_start._hooks\n"
-        "assert not plan_log._listeners, plan_log._listeners\n"
+        "assert not any(_events._listeners.values()), _events._listeners\n"
         # A subpackage named like a public function would replace it on import (autoweave.plan).
         "import autoweave, types\n"
         "shadowed = [n for n in autoweave.__all__ if isinstance(getattr(autoweave, n), types.ModuleType)]\n"

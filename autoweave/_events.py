@@ -1,0 +1,70 @@
+"""What the dispatchers publish, and who listens: a tiny publish/subscribe below every layer.
+
+The dispatcher (``dispatch/``) is the hub of a compiled module's life, yet the
+observers (``observe/``: the plan summary, the report, the structured trace)
+sit below it and must not be called from inside its state machine: the
+machine only moves, and says so here. Observers subscribe when they start,
+each subscription an install with its undo (``_installs``), so ``disable()``
+leaves no listener behind.
+
+A listener that raises is autoweave's own failure in an observation: counted
+and logged (``_failopen.guard``, quiet), never in the way of what runs.
+
+Topics and what each publishes (positional arguments):
+
+- ``MOVED``: ``(dispatcher, state, why)``, after every move of a dispatcher's
+  state machine; ``state`` and ``why`` are the values of its ``State`` and ``Why``.
+- ``PLANNED``: ``(dispatcher, plan)``, a plan was applied (or given up for plain).
+- ``CALLED_AGAIN``: ``(dispatcher,)``, a planned module was called again while a
+  plan summary waits (the next step began).
+- ``WOVEN_AROUND``: ``(dispatcher, fallbacks)``, a first call fell back to eager
+  ``fallbacks`` times and the dispatcher re-planned around the break.
+- ``PLAN_RECORDED``: ``(entry,)``, the plan summary recorded a plan (``observe.summary.Entry``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from autoweave._failopen import guard
+
+MOVED = "moved"
+PLANNED = "planned"
+CALLED_AGAIN = "called-again"
+WOVEN_AROUND = "woven-around"
+PLAN_RECORDED = "plan-recorded"
+
+# The state values a ``MOVED`` listener compares with (``dispatch.dispatchers.State``).
+PLAIN = "plain"
+WOVEN = "woven"
+
+_lock = threading.Lock()
+# topic -> its listeners, in subscription order. Replaced, never mutated, so
+# ``publish`` reads it without the lock.
+_listeners: dict[str, tuple[Callable[..., None], ...]] = {}
+
+
+def subscribe(topic: str, listener: Callable[..., None]) -> Callable[[], None]:
+    """Call ``listener(*args)`` for every ``publish(topic, *args)`` from now on; returns the undo.
+
+    Subscribing the same listener twice is harmless (it is called once).
+    """
+    with _lock:
+        current = _listeners.get(topic, ())
+        if listener not in current:
+            _listeners[topic] = (*current, listener)
+    return lambda: unsubscribe(topic, listener)
+
+
+def unsubscribe(topic: str, listener: Callable[..., None]) -> None:
+    with _lock:
+        _listeners[topic] = tuple(fn for fn in _listeners.get(topic, ()) if fn != listener)
+
+
+def publish(topic: str, *args: Any) -> None:
+    """Tell every listener of ``topic``, in subscription order. Never raises (strict mode aside)."""
+    for listener in _listeners.get(topic, ()):
+        with guard(f"telling {getattr(listener, '__qualname__', listener)} of {topic!r}", quiet=True):
+            listener(*args)

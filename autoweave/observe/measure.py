@@ -1,0 +1,45 @@
+"""The report's autograd measure: one steady call of each compiled module, read from autograd's record.
+
+When a dispatcher starts running its woven regions, or plain torch.compile,
+the report (when collecting) asks it to hand over one later call
+(``observe_next_call``): the forward GEMMs that call left in the autograd graph
+outside compiled graphs (``counting.autograd_gemms``) are what ran eager.
+The measure marks where autograd's graph stood, lets the call run untouched,
+and reads what was added; calls without grad pass to the next. Later calls pay
+nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from autoweave import _events
+from autoweave.observe import counting, report
+
+
+def on_move(dispatcher: Any, state: str, why: str) -> None:
+    """``_events.MOVED``: measure one steady call of what the dispatcher runs from now on."""
+    if not report.active():
+        return
+    if state == _events.WOVEN:
+        dispatcher.observe_next_call(_measuring(id(dispatcher)))
+    elif state == _events.PLAIN:
+        # Plain torch.compile compiles at its first call: the one after it is steady.
+        dispatcher.observe_next_call(_measuring(id(dispatcher)), skip=1)
+
+
+def _measuring(key: int) -> Callable[[], Callable[[Any], None] | None]:
+    def before() -> Callable[[Any], None] | None:
+        since = counting.autograd_mark()  # None without grad: the next call is measured
+        if since is None:
+            return None
+
+        def after(out: Any) -> None:
+            found = counting.autograd_gemms(out, since)
+            if found is not None:
+                report.record_gemms(key, found)  # the plan entry's key (summary.keyed_entries)
+
+        return after
+
+    return before

@@ -1,0 +1,169 @@
+"""The run report at exit: written to its JSON file, and rank 0's one-screen summary on stderr.
+
+At exit (or at ``disable()``, which does first what exit would have done) the
+plan summary still waiting is logged, then the report is stopped, written
+where ``AUTOWEAVE_REPORT`` says (``{rank}`` for one file per rank) and
+summarised on rank 0, after the plan summary. A process that compiled nothing
+(torchrun's launcher inherits ``AUTOWEAVE_REPORT`` and imports torch) writes and
+prints nothing: it would otherwise pose as rank 0 and overwrite rank 0's report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+from typing import Any
+
+from autoweave._log import logger, rank
+from autoweave.observe import graph_breaks, report, summary
+from autoweave.observe.report_stats import _Stats
+
+
+def report_path(template: str) -> str | None:
+    """Where this rank writes: ``{rank}`` filled in; without it only rank 0 writes."""
+    if "{rank}" not in template and rank() != 0:
+        return None
+    return template.format(rank=rank())
+
+
+def write(data: dict[str, Any], path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
+    """The one-screen summary rank 0 prints at exit."""
+    totals, dyn, fallbacks = data["totals"], data["dynamo"], data["ac_fallbacks"]
+    lines = [
+        f"autoweave report (rank {data['rank']} of {data['world_size']})" + (f" -> {path}" if path else "")
+    ]
+    lines.append(f"  modules planned: {totals['modules']}, woven: {totals['woven']}")
+    measured = data.get("measured") or {}
+    if measured.get("modules"):
+        lines.append(
+            f"  measured (one call of each compiled module, autoweave's or not): "
+            f"{measured['eager_gemms']} forward GEMMs ran outside compiled graphs; "
+            f"{measured['fully_compiled']} of {measured['modules']} modules ran every GEMM compiled"
+        )
+    kinds = Counter(r["kind"] for r in data["regions"])
+    lines.append(
+        f"  regions: {kinds.get('woven', 0)} woven, {kinds.get('plain', 0)} plain; "
+        f"{totals['graphs']} graphs, {totals['ops']} ops captured, "
+        f"compile {totals['compile_s']:.1f} s (backend {totals['backend_s']:.1f} s)"
+    )
+    if totals.get("eager_graphs"):
+        lines.append(
+            f"  not captured: {totals['eager_graphs']} traced graph(s), {totals['eager_ops']} ops, "
+            "run eager instead (below, per region)"
+        )
+    for region in sorted(data["regions"], key=lambda r: -r["compile_s"])[:4]:
+        where = summary.fold_names(region["modules"]) if region["modules"] else "?"
+        eager = region.get("eager_graphs", 0)
+        lines.append(
+            f"    {where}: {region['graphs']} graphs, {region['ops']} ops, "
+            f"{region['recompiles']} recompiles, {region['compile_s']:.2f} s"
+            + (f", {eager} graph(s) ({region['eager_ops']} ops) ran eager" if eager else "")
+            + ("" if region.get("live", True) else " (first call only, replaced by the weave)")
+        )
+        for why, count in list(region.get("eager_reasons", {}).items())[:2]:
+            lines.append(f"      x{count}: {why[:160]}")
+    lines.append(
+        f"  dynamo (whole process): {dyn['unique_graphs']} graphs, {dyn['compiles']} compiles, "
+        f"{dyn['recompiles']} recompiles, {dyn['graph_breaks']} graph breaks, "
+        f"{len(dyn['recompile_limit_hits'])} recompile-limit hits, {dyn['compile_s']:.1f} s"
+    )
+    reasons: Counter[str] = Counter()
+    for reason, count in dyn["graph_break_reasons"].items():
+        reasons[reason.splitlines()[0][:100] if reason else "?"] += count
+    for reason, count in reasons.most_common(3):
+        site = graph_breaks.first_site(
+            dyn.get("graph_break_sites", {}), reason
+        )  # autoweave/observe/graph_breaks.py
+        lines.append(f"    break x{count}: {reason}{site}")
+    for hit in dyn["recompile_limit_hits"][:2]:
+        lines.append(f"    limit: {hit[:100]}")
+    swallowed = data.get("swallowed") or {}
+    if swallowed:
+        lines.append(
+            f"  autoweave failed open {sum(swallowed.values())} time(s): "
+            + ", ".join(f"[{slug}] x{n}" for slug, n in swallowed.items())
+            + " (the warnings above say where; AUTOWEAVE_STRICT=1 raises instead)"
+        )
+    around = fallbacks.get("woven_around", 0)
+    if around:
+        lines.append(
+            f"  {around} checkpointed region(s) fell back to eager at their first call only: autoweave "
+            "located the break and compiles around it from the next call on"
+        )
+    if fallbacks["count"] > around:
+        lines.append(
+            f"  WARNING: {fallbacks['count'] - around} checkpointed region(s) fell back to eager "
+            "(forward and recompute ran uncompiled)"
+        )
+        for item in fallbacks["messages"][:2]:
+            lines.append(f"    x{item['count']}: {item['message'][:100]}")
+        if not totals["woven"] and not data.get("settings", {}).get("enabled"):
+            lines.append(
+                "    these compiles were not woven: with AUTOWEAVE=1 (and outside autoweave.disabled()) "
+                "autoweave compiles around the boundaries"
+            )
+        elif not totals["woven"]:
+            lines.append(
+                "    autoweave was on but wove none of these compiles: the plan above says why for each; "
+                "AUTOWEAVE_MODE=always weaves wherever a boundary is inside"
+            )
+    elif not around:
+        lines.append("  checkpointed regions that fell back to eager: 0")
+    return "\n".join(lines)
+
+
+def _quietly(what: str, step: Any, *args: Any) -> Any:
+    # Exit-time output must never turn a clean exit into a traceback (stderr may
+    # be closed already: test runners close their capture files before atexit).
+    try:
+        return step(*args)
+    except Exception:
+        try:
+            logger.debug("at exit: could not %s", what, exc_info=True)
+        except Exception:
+            pass
+        return None
+
+
+def _write_and_summarise(stats: _Stats) -> None:
+    if not stats.compiled_anything():
+        report.stop()
+        return
+    data = report.stop()
+    if data is None:
+        return
+    path = report_path(stats.path) if stats.path is not None else None
+    if path is not None:
+        try:
+            write(data, path)
+        except OSError as exc:
+            sys.stderr.write(
+                f"autoweave: could not write the report to {path}: {exc}; "
+                "set AUTOWEAVE_REPORT to a writable path\n"
+            )
+            path = None
+    if rank() == 0:
+        sys.stderr.write(format_exit_summary(data, path) + "\n")
+        sys.stderr.flush()
+
+
+def at_exit() -> None:
+    """Log any pending plan summary; write the report and print its summary (rank 0). Never raises."""
+    if summary.waiting():
+        _quietly("log the plan summary", summary.flush)
+    stats = report.collector()
+    if stats is None or stats.path is None:
+        return
+    _quietly("write the report", _write_and_summarise, stats)

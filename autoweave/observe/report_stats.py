@@ -1,0 +1,259 @@
+"""What the run report collects: per region and for the whole process (``observe.report`` runs it).
+
+A ``RegionStats`` per compiled region (graphs, ops, compile time, recompiles,
+counted by the report's counting backend); for every compile in the process,
+autoweave's or not, what dynamo signalled (its compile callbacks, the
+recompile-limit warnings, checkpointed regions that fell back to eager, graph
+breaks); and one measured call per compiled module (``observe.measure``).
+``_Stats.snapshot`` is the report's JSON.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from autoweave import _compat
+from autoweave._log import rank, world_size
+from autoweave._state import run
+from autoweave.observe import counting, graph_breaks, summary
+
+
+@dataclass
+class RegionStats:
+    label: str  # the compiled function's name (shared by identical blocks)
+    kind: str  # "woven" (a region of a woven plan) or "plain" (a plain compile autoweave routed)
+    modules: list[str] = field(default_factory=list)
+    capture: counting.Capture = field(default_factory=counting.Capture)
+    backend_s: float = 0.0
+    compile_s: float = 0.0
+    compiles: int = 0
+    recompiles: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "kind": self.kind,
+            "modules": self.modules,
+            "graphs": self.capture.graph_count,
+            "ops": self.capture.ops,
+            # Graphs dynamo traced that run eager instead (a piece under its checkpoint, a
+            # graph the backend failed on): not captured, with why.
+            "eager_graphs": len(self.capture.eager),
+            "eager_ops": self.capture.eager_ops,
+            "eager_reasons": dict(Counter(g.eager for g in self.capture.eager if g.eager).most_common()),
+            "compiles": self.compiles,
+            "recompiles": self.recompiles,
+            "compile_s": round(self.compile_s, 4),
+            "backend_s": round(self.backend_s, 4),
+        }
+
+
+class _LimitFilter(logging.Filter):
+    """Records dynamo's recompile-limit warnings (any compile, autoweave's or not)."""
+
+    def __init__(self, stats: _Stats) -> None:
+        super().__init__()
+        self._stats = stats
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if counting.RECOMPILE_LIMIT_NEEDLE in message:
+            lines = [line.strip() for line in message.splitlines()]
+            self._stats.limit_hits.append(" ".join(lines[:3]))
+        return True
+
+
+_COMPILE_ID = re.compile(r"(\d+)/(\d+)")
+
+
+class _Stats:
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.started = time.time()
+        self.regions: dict[str, RegionStats] = {}
+        self.limit_hits: list[str] = []
+        self.woven_around = 0
+        self.compile_s = 0.0
+        self.compiles = 0
+        self.recompiles = 0
+        self._open: list[tuple[float, list[RegionStats], bool]] = []
+        self._lock = threading.Lock()
+        self.fallbacks = counting.FallbackCounter()
+        # id(dispatcher) -> what one steady call of its module left in the autograd graph
+        self.gemms: dict[int, counting.AutogradGemms] = {}
+        self._filter = _LimitFilter(self)
+        self._callbacks: Any = None
+
+    def install(self) -> None:
+
+        self.fallbacks.install()
+        graph_breaks.watch_graph_breaks()  # the user's line of each graph break (autoweave/observe/graph_breaks.py)
+        logging.getLogger(counting.RECOMPILE_LIMIT_LOGGER).addFilter(self._filter)
+        self._callbacks = _compat.compile_callbacks()
+        if self._callbacks is not None:
+            self._callbacks.register_start_callback(self._on_start)
+            self._callbacks.register_end_callback(self._on_end)
+
+    def uninstall(self) -> None:
+        self.fallbacks.uninstall()
+        logging.getLogger(counting.RECOMPILE_LIMIT_LOGGER).removeFilter(self._filter)
+        if self._callbacks is not None:
+            for remove, fn in (
+                (self._callbacks.remove_start_callback, self._on_start),
+                (self._callbacks.remove_end_callback, self._on_end),
+            ):
+                try:
+                    remove(fn)
+                except ValueError:
+                    pass
+
+    # dynamo's compile callbacks: time every compile, attribute it to the regions it built
+    def _on_start(self, args: Any = None, *_: Any) -> None:
+        rank()  # remember the process group's rank while it exists (see _log)
+        trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
+        match = _COMPILE_ID.search(str(getattr(args, "compile_id", "")))
+        recompile = trigger == "DYNAMO" and match is not None and int(match.group(2)) > 0
+        with self._lock:
+            self._open.append((time.perf_counter(), [], recompile))
+            if trigger == "DYNAMO":
+                self.compiles += 1
+                self.recompiles += recompile
+
+    def _on_end(self, *_: Any) -> None:
+        with self._lock:
+            if not self._open:
+                return
+            start, regions, recompile = self._open.pop()
+        elapsed = time.perf_counter() - start
+        self.compile_s += elapsed
+        for region in regions:
+            region.compile_s += elapsed / len(regions)
+            region.compiles += 1
+            region.recompiles += recompile
+
+    def note_region(self, region: RegionStats) -> None:
+        with self._lock:
+            if self._open and region not in self._open[-1][1]:
+                self._open[-1][1].append(region)
+
+    def region(self, label: str, kind: str) -> RegionStats:
+        with self._lock:
+            if label not in self.regions:
+                self.regions[label] = RegionStats(label, kind)
+            return self.regions[label]
+
+    def name_regions(self, entry: summary.Entry) -> None:
+        labels = dict(entry.regions)
+        if entry.plain_label is not None and not entry.plan.woven:
+            labels[""] = entry.plain_label
+        for path, label in labels.items():
+            region = self.regions.get(label)
+            if region is not None:
+                shown = summary.join_path(entry.shown, path)
+                if shown not in region.modules:
+                    region.modules.append(shown)
+
+    def compiled_anything(self) -> bool:
+        """Did this process compile, plan or see a fallback? If not, it has nothing to report."""
+        if self.compiles or self.regions or self.fallbacks.count or summary.entries():
+            return True
+        return bool(_compat.dynamo_counters().get("stats", {}).get("unique_graphs"))
+
+    def snapshot(self) -> dict[str, Any]:
+        import torch
+
+        from autoweave import _settings, _version
+
+        counters = _compat.dynamo_counters()
+        stats = dict(counters.get("stats", {}))
+        breaks = Counter(dict(counters.get("graph_break", {})))
+        # A plain compile whose module was re-planned woven after its first call
+        # ran once: reported, but not as live and not in the totals.
+        replaced = {e.plain_label for e in summary.entries() if e.plan.woven and e.plain_label}
+        # A woven region is live while a current plan runs it: one whose plan was given
+        # up since (re-planned plain, or woven anew) ran for a while but runs no more.
+        current = {label for e in summary.entries() for label in e.regions.values()}
+        regions = [
+            {**r.as_dict(), "live": r.label not in replaced if r.kind == "plain" else r.label in current}
+            for r in self.regions.values()
+            if r.kind != "plain"
+            or r.modules
+            or r.capture.graph_count  # a woven module's unused plain compile
+        ]
+        live = [r for r in regions if r["live"]]
+        fallback_messages = Counter(m.strip().splitlines()[0] for m in self.fallbacks.messages if m.strip())
+        plans = []
+        measured = {
+            key: {"eager_gemms": g.eager, "compiled_graphs": g.compiled_graphs}
+            for key, g in self.gemms.items()
+        }
+        for key, entry in summary.keyed_entries():
+            plans.append(
+                {
+                    "name": entry.shown,
+                    "type": entry.type_name,
+                    "woven": entry.plan.woven,
+                    "mode": entry.plan.mode,
+                    "strategy": entry.plan.strategy,
+                    "summary": entry.plan.headline(),
+                    "decisions": summary.decision_records(entry),
+                    "region": None if entry.plan.woven else entry.plain_label,
+                    "measured": measured.get(key),
+                }
+            )
+        return {
+            "autoweave": _version.__version__,
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "rank": rank(),
+            "world_size": world_size(),
+            "wall_s": round(time.time() - self.started, 3),
+            "settings": _settings.current().as_dict(),
+            "plans": plans,
+            "regions": regions,
+            "totals": {
+                "modules": len(plans),
+                "woven": sum(1 for p in plans if p["woven"]),
+                "graphs": sum(r["graphs"] for r in live),
+                "ops": sum(r["ops"] for r in live),
+                "eager_graphs": sum(r["eager_graphs"] for r in live),
+                "eager_ops": sum(r["eager_ops"] for r in live),
+                "compile_s": round(sum(r["compile_s"] for r in live), 4),
+                "backend_s": round(sum(r["backend_s"] for r in live), 4),
+            },
+            "dynamo": {
+                "unique_graphs": int(stats.get("unique_graphs", 0)),
+                "calls_captured": int(stats.get("calls_captured", 0)),
+                "compiles": self.compiles,
+                "recompiles": self.recompiles,
+                "compile_s": round(self.compile_s, 4),
+                "graph_breaks": sum(breaks.values()),
+                "graph_break_reasons": dict(breaks.most_common()),
+                "graph_break_sites": graph_breaks.graph_break_sites(
+                    breaks
+                ),  # autoweave/observe/graph_breaks.py
+                "recompile_limit_hits": list(self.limit_hits),
+            },
+            # One steady call of each compiled module, from autograd's record (observe.measure).
+            "measured": {
+                "modules": len(measured),
+                "fully_compiled": sum(1 for m in measured.values() if m["eager_gemms"] == 0),
+                "eager_gemms": sum(m["eager_gemms"] for m in measured.values()),
+            },
+            # Failures of autoweave's own that failed open (slug -> count; _failopen.swallowed).
+            "swallowed": dict(sorted(run.swallowed.items())),
+            "ac_fallbacks": {
+                "count": self.fallbacks.count,
+                # Seen at a first call, then compiled around from the next call on.
+                "woven_around": min(self.woven_around, self.fallbacks.count),
+                "sites": graph_breaks.fallback_sites(),  # autoweave/observe/graph_breaks.py
+                "messages": [{"message": m, "count": n} for m, n in fallback_messages.most_common()],
+            },
+        }

@@ -1,0 +1,121 @@
+"""The plan summary names what it covers: which model, what changed at a re-plan, which rank's modules."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+from autoweave.observe import summary
+from autoweave.planning import planner
+from tests.models import Block
+
+pytestmark = pytest.mark.usefixtures("weave_on")
+
+
+class Layers(nn.Module):
+    """A model: compiled layers in a container, called in order (its class names it in the summary)."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({n: torch.compile(nn.Linear(8, 8), backend="eager") for n in names})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+class Policy(Layers):
+    pass
+
+
+class Reference(Layers):
+    pass
+
+
+def _summaries(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("autoweave plan")]
+
+
+def _two_steps(*models: nn.Module) -> None:
+    x = torch.randn(2, 8)
+    for _ in range(2):  # the second step logs the summary
+        for model in models:
+            model(x)
+
+
+def test_two_models_in_one_process_are_told_apart_by_class(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="autoweave"):
+        _two_steps(Policy(["0", "1"]), Reference(["0", "1"]))
+    (text,) = _summaries(caplog)
+    assert "  Policy.layers.0-1, Reference.layers.0-1 (4 × Linear): " in text, text
+
+
+def test_two_models_of_one_class_are_told_apart_by_an_index(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="autoweave"):
+        _two_steps(Policy(["0"]), Policy(["0"]))
+    (text,) = _summaries(caplog)
+    assert "  Policy#0.layers.0, Policy#1.layers.0 (2 × Linear): " in text, text
+
+
+def test_one_model_is_named_as_before(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="autoweave"):
+        _two_steps(Policy(["0", "1"]))
+    (text,) = _summaries(caplog)
+    assert "  layers.0-1 (2 × Linear):" in text and "Policy" not in text, text
+
+
+def test_each_rank_says_which_modules_its_summary_covers(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A pipeline stage on rank 0 of 2: the first two layers of the model (torchtitan keeps the names).
+    monkeypatch.setattr(summary, "world_size", lambda: 2, raising=False)
+    with caplog.at_level(logging.INFO, logger="autoweave"):
+        _two_steps(Layers(["0", "1"]))
+    (text,) = _summaries(caplog)
+    assert (
+        text.splitlines()[0] == "autoweave plan: 2 compiled modules, 0 woven; rank 0 of 2 covers layers.0-1"
+    )
+
+
+def test_a_re_plan_after_the_summary_is_one_line_saying_what_changed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Three blocks planned with pieces, summarised; then measured and planned again with hoist.
+    blocks = [cw.checkpoint_wrapper(Block(), context_fn=_selective) for _ in range(3)]
+    dispatchers = [SimpleNamespace(target=b, _applied=None) for b in blocks]
+    model = nn.ModuleDict({"layers": nn.ModuleList(blocks)})
+
+    def record(strategy: str) -> None:
+        for dispatcher in dispatchers:
+            plan = planner.plan(dispatcher.target, mode="always", strategy=strategy)
+            _call_as(model, dispatcher, plan)
+
+    with caplog.at_level(logging.INFO, logger="autoweave"):
+        record("pieces")
+        summary.flush()
+        record("hoist")
+        summary.flush()
+        record("hoist")  # planned again, the same plan: nothing to say
+        summary.flush()
+    first, second = _summaries(caplog)
+    assert first.splitlines()[0] == "autoweave plan: 3 compiled modules, 3 woven"
+    assert second.startswith("autoweave plan: layers.0-2 (3 × Block): re-planned: pieces -> hoist: ")
+    assert len(second.splitlines()) == 1, second
+
+
+def _call_as(model: nn.Module, dispatcher: SimpleNamespace, plan: planner.Plan) -> None:
+    # The summary names a target by the modules whose forwards are calling it: be one.
+    self = model  # noqa: F841 - read from this frame by summary.qualified_name
+    summary.record_plan(dispatcher, plan)
+
+
+def _selective():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
