@@ -22,13 +22,14 @@ run the whole region eager (pytorch/pytorch#139989; PR #193143 proposes
 compiling ``ac(compile(f))`` instead, and reviewers note it does not hold for
 selective AC); FSDP2's hooks are ``torch._dynamo.disable``d unconditionally since
 pytorch/pytorch PR #174863 (custom-op hooks that dynamo could keep in the graph
-were tried in PR #181924, closed).
+were tried in PR #181924, closed); ``backend="eager"`` ignores a traced checkpoint
+(pytorch/pytorch#160773).
 
 This module only re-exports, so ``from autoweave import _compat; _compat.name``
 reads the same wherever a name lives.
 """
 
-from autoweave._compat.backends import BackendWrapper, compile_backend, lookup_backend, wrap_backend
+from autoweave._compat.backends import BackendWrapper, lookup_backend, wrap_backend
 from autoweave._compat.checkpoints import (
     CHECKPOINT_CONTEXT_FN_KEY,
     autograd_sequence_nr,
@@ -64,23 +65,17 @@ from autoweave._compat.dynamo import (
     trace_structured,
 )
 from autoweave._compat.log_strings import (
-    CONVERT_FRAME_LOGGER,
     FALLBACK_LOGGER,
     FALLBACK_NEEDLE,
     GRAPH_BREAK_LOGGER,
-    HOP_CHECKPOINT_NOTE,
     RECOMPILE_LIMIT_LOGGER,
     RECOMPILE_LIMIT_NEEDLE,
-    SUPPRESSED_NEEDLE,
 )
-from autoweave._compat.lookup import UnsupportedTorch, find, find_optional
+from autoweave._compat.lookup import UnsupportedTorch, find
 from autoweave._compat.modules import (
-    CHECKPOINT_FN,
     CHECKPOINT_WRAPPED,
     CHECKPOINT_WRAPPER_MODULE,
-    COMPILED_CALL,
     COMPILED_INNER,
-    FSDP1_WRAPPED,
     FSDP2_STATE_MODULES,
     MODULE_STORES,
     WRAPPED_CHILD_ATTRS,
@@ -101,7 +96,6 @@ from autoweave._compat.modules import (
 )
 from autoweave._compat.version import (
     TESTED_TORCH,
-    TorchSupport,
     check_torch_version,
     self_check,
     torch_support,
@@ -111,24 +105,17 @@ from autoweave._compat.version import (
 __all__ = [
     "BackendWrapper",
     "CHECKPOINT_CONTEXT_FN_KEY",
-    "CHECKPOINT_FN",
     "CHECKPOINT_WRAPPED",
     "CHECKPOINT_WRAPPER_MODULE",
-    "COMPILED_CALL",
     "COMPILED_INNER",
-    "CONVERT_FRAME_LOGGER",
     "FALLBACK_LOGGER",
     "FALLBACK_NEEDLE",
-    "FSDP1_WRAPPED",
     "FSDP2_STATE_MODULES",
     "GRAPH_BREAK_LOGGER",
-    "HOP_CHECKPOINT_NOTE",
     "MODULE_STORES",
     "RECOMPILE_LIMIT_LOGGER",
     "RECOMPILE_LIMIT_NEEDLE",
-    "SUPPRESSED_NEEDLE",
     "TESTED_TORCH",
-    "TorchSupport",
     "UnsupportedTorch",
     "WRAPPED_CHILD_ATTRS",
     "autograd_sequence_nr",
@@ -143,7 +130,6 @@ __all__ = [
     "children_of",
     "code_being_compiled",
     "compile_again",
-    "compile_backend",
     "compile_callbacks",
     "compiled_inner",
     "converting_code",
@@ -152,7 +138,6 @@ __all__ = [
     "dynamo_disabled",
     "fake_tensor_mode",
     "find",
-    "find_optional",
     "forward_hook_dicts",
     "fsdp1_module",
     "fsdp2_module",

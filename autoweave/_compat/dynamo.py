@@ -1,11 +1,10 @@
 """dynamo's private machinery autoweave calls: counters, callbacks, code resets, the compile in progress.
 
 Torch range: 2.11-2.15 (``version.TESTED_TORCH``); ``version.self_check`` probes
-each on a newer torch. Why autoweave needs them at all: a graph break inside a
-checkpointed region makes dynamo run the whole region eager,
-TODO(pytorch#139989): most of this goes when dynamo compiles around such a break
-itself (PR #193143 proposes ``ac(compile(f))``; reviewers note it does not hold
-for selective AC).
+each on a newer torch; none has a public equivalent. Why autoweave needs them
+at all: a graph break inside a checkpointed region makes dynamo run the whole
+region eager (pytorch#139989; most of this goes when dynamo compiles around such
+a break itself).
 """
 
 from __future__ import annotations

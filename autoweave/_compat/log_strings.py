@@ -9,9 +9,8 @@ these messages to whoever subscribed; nothing else matches dynamo's wording.
 
 Torch range: the wording of 2.11-2.15 (``tests/compile/test_dynamo_messages.py``
 provokes each message on the installed torch; ``version.self_check`` looks for
-each needle in dynamo's source on a newer one). TODO(pytorch#135816): a
-structured "checkpointed region fell back to eager" event would retire the
-fallback needle; no public API carries the others either.
+each needle in dynamo's source on a newer one). Upstream: pytorch#135816 tracks
+checkpointed regions falling back to eager; no public API carries the others.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from typing import Any, ClassVar
 # "<checkpoint> ... will fall back to eager-mode PyTorch": a traced checkpoint gave up
 # (``speculate_subgraph`` in torch/_dynamo/variables/higher_order_ops.py, at INFO); the
 # ``Unsupported`` error that made it give up is logged next, as the record's message.
+# TODO(pytorch#135816): read a structured "region fell back to eager" event instead, once there is one.
 FALLBACK_LOGGER = "torch._dynamo.variables.higher_order_ops"
 FALLBACK_NEEDLE = "fall back to eager-mode PyTorch"
 # dynamo's warning when a frame's cache is full and it runs eager from then on
