@@ -129,11 +129,15 @@ def test_a_frame_dynamo_will_not_convert_is_read_with_its_error() -> None:
 def test_listening_leaves_dynamo_loggers_as_they_were() -> None:
     names = (_compat.FALLBACK_LOGGER, _compat.GRAPH_BREAK_LOGGER, _compat.RECOMPILE_LIMIT_LOGGER)
     loggers = [logging.getLogger(name) for name in names]
+    taps = [_taps.tap(name) for name in names]
+    assert not any(t in log.filters for t, log in zip(taps, loggers, strict=True)), (
+        "an earlier listener leaked"
+    )
     before = [(log.level, log.propagate, list(log.filters), list(log.handlers)) for log in loggers]
     with (
         _taps.listening(Fallback, list().append),
         _taps.listening(GraphBreak, list().append),
         _taps.listening(RecompileLimit, list().append),
     ):
-        assert all(_taps.tap(name) in log.filters for name, log in zip(names, loggers, strict=True))
+        assert all(t in log.filters for t, log in zip(taps, loggers, strict=True))
     assert [(log.level, log.propagate, list(log.filters), list(log.handlers)) for log in loggers] == before
