@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from autoweave import _compat, _settings
+from autoweave import _compat, _settings, _taps
+from autoweave._compat.log_strings import WontConvert
 from autoweave._log import logger, rank
 from autoweave._state import run
 
@@ -195,5 +196,19 @@ def frames_fail_open() -> Iterator[FailedFrames]:
     compiled again next time; a call that succeeded hit one of autoweave's.
     """
     failed = FailedFrames()
-    with _compat.suppressing_conversion_errors(failed._add):
-        yield failed
+    with _compat.suppressing_errors() as suppressing:
+        if not suppressing:
+            yield failed
+            return
+        thread = threading.get_ident()
+
+        def on_error(message: WontConvert) -> bool:
+            # dynamo's warning for this thread's frames becomes the record; another
+            # thread's is left to dynamo (the config is process-wide).
+            if message.thread not in (thread, None):  # None: logging.logThreads is off
+                return False
+            failed._add(message.error, _compat.converting_code())
+            return True
+
+        with _taps.listening(WontConvert, on_error):
+            yield failed

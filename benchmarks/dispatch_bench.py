@@ -49,8 +49,8 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw  # noqa: E402
 
 import autoweave  # noqa: E402
+from autoweave import _compat
 from autoweave.dispatch import dispatchers
-from autoweave.observe import counting
 
 TARGET_RATIO = 1.02
 DIM = 8
@@ -214,7 +214,7 @@ class _LimitHits(logging.Handler):
         self.count = 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        if counting.RECOMPILE_LIMIT_NEEDLE in record.getMessage():
+        if _compat.RECOMPILE_LIMIT_NEEDLE in record.getMessage():
             self.count += 1
 
 
@@ -243,7 +243,7 @@ def measure(
 ) -> Row:
     torch._dynamo.reset()  # cases never share dynamo caches (nor recompile budgets)
     hits = _LimitHits()
-    limit_logger = logging.getLogger(counting.RECOMPILE_LIMIT_LOGGER)
+    limit_logger = logging.getLogger(_compat.RECOMPILE_LIMIT_LOGGER)
     limit_logger.addHandler(hits)
     row = Row(case, 0, layers)
     try:

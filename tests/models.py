@@ -11,7 +11,6 @@ import torch
 import torch.nn as nn
 
 from autoweave import _compat
-from autoweave.observe import counting
 from tests.break_models import fsdp_like
 
 # A torch.compiler.disable'd pre-hook, as fully_shard gives a unit: a real graph break.
@@ -61,10 +60,10 @@ class RecompileLimitHits(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.messages: list[str] = []
-        self._logger = logging.getLogger(counting.RECOMPILE_LIMIT_LOGGER)
+        self._logger = logging.getLogger(_compat.RECOMPILE_LIMIT_LOGGER)
 
     def emit(self, record: logging.LogRecord) -> None:
-        if counting.RECOMPILE_LIMIT_NEEDLE in record.getMessage():
+        if _compat.RECOMPILE_LIMIT_NEEDLE in record.getMessage():
             self.messages.append(record.getMessage())
 
     def __enter__(self) -> RecompileLimitHits:

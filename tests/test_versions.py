@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from autoweave import _compat
+from autoweave._compat import version
 from autoweave.cli import doctor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,11 +57,11 @@ def test_an_older_torch_is_off_and_a_newer_one_is_decided_by_the_self_check() ->
 
 def test_the_self_check_finds_everything_on_this_torch_and_names_what_is_missing(monkeypatch) -> None:
     assert _compat.self_check() == []
-    needs = _compat._needs()
+    needs = version._needs()
     monkeypatch.setattr(
-        _compat,
+        version,
         "_needs",
-        lambda: (*needs, ("torch._no_such_name", lambda: _compat._first("torch._no_such_name"))),
+        lambda: (*needs, ("torch._no_such_name", lambda: _compat.find("torch._no_such_name"))),
     )
     assert _compat.self_check() == ["torch._no_such_name"]
 
@@ -92,8 +93,9 @@ from autoweave.dispatch import patches
 print("OFF", startup.off_reason() is not None, "PATCHED", sorted(patches.applied()))
 """
 _MISSING = """
-needs = _compat._needs
-_compat._needs = lambda: (*needs(), ("torch._dynamo.no_such_hook", lambda: _compat._first("torch._dynamo.no_such_hook")))
+from autoweave._compat import version
+needs = version._needs
+version._needs = lambda: (*needs(), ("torch._dynamo.no_such_hook", lambda: _compat.find("torch._dynamo.no_such_hook")))
 """
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import inspect
+import logging
 
 import pytest
 import torch
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import _state
+from autoweave import _compat, _state
+from autoweave._compat import log_strings
 from autoweave.observe import graph_breaks, report, report_exit
 from autoweave.planning import planner
 from tests import models
@@ -50,6 +52,12 @@ def test_no_source_outside_user_code() -> None:
     )
 
 
+def _site_of_record(text: str) -> str | None:
+    # A record as dynamo's graph_breaks logger emits it, read and placed as the watch does.
+    record = logging.LogRecord(_compat.GRAPH_BREAK_LOGGER, logging.DEBUG, __file__, 1, text, None, None)
+    return graph_breaks.site_of(log_strings.read(record))
+
+
 def test_site_of_record_takes_the_innermost_user_frame() -> None:
     torch_file = torch.nn.modules.module.__file__
     text = (
@@ -61,11 +69,8 @@ def test_site_of_record_takes_the_innermost_user_frame() -> None:
         f'  File "/home/u/model.py", line 38, in forward\n'
         f'  File "{torch_file}", line 1800, in inner\n'
     )
-    assert graph_breaks.site_of_record(text) == "/home/u/model.py:38"
-    assert (
-        graph_breaks.site_of_record(f"Graph break in user code at {torch_file}:5\nGraph Break Reason: x")
-        is None
-    )
+    assert _site_of_record(text) == "/home/u/model.py:38"
+    assert _site_of_record(f"Graph break in user code at {torch_file}:5\nGraph Break Reason: x") is None
 
 
 @pytest.fixture

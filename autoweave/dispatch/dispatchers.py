@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from autoweave import _compat, _events, _instances, _settings
+from autoweave._compat.log_strings import FallbackBreak
 from autoweave._failopen import AutoweaveError, FailedFrames, _strict, frames_fail_open, guard, swallowed
 from autoweave._log import logger
 from autoweave._state import run as _run
@@ -282,10 +283,10 @@ class _Dispatcher:
 
     def _watched(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Run a first call listening for dynamo's AC fallback; on one, re-plan around the break."""
-        with counting.FallbackCounter() as watch, learned_breaks.BreakWatch() as where:
+        with counting.FallbackCounter() as watch:
             out = call(*args, **kwargs)
         if watch.count:
-            self._on_hidden_fallback(where.stacks)
+            self._on_hidden_fallback(watch.breaks)
             _events.publish(_events.WOVEN_AROUND, self, watch.count)
         return out
 
@@ -454,10 +455,10 @@ class _Dispatcher:
         logger.debug("%s: %s", plan.root_type, plan.headline())
         _events.publish(_events.PLANNED, self, plan)
 
-    def _on_hidden_fallback(self, stacks: list[tuple[str, list[Any]]]) -> None:
+    def _on_hidden_fallback(self, breaks: list[FallbackBreak]) -> None:
         with self._lock, guard(f"re-planning {type(self.target).__name__}"):
             target = planner.unwrap(self.target)
-            located = learned_breaks.locate(target, stacks)
+            located = learned_breaks.locate(target, breaks)
             spec = planner.checkpoint_spec(target)
             if not located and spec is not None:
                 # No location from dynamo: the wrapped block breaks somewhere; hoist

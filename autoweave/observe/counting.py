@@ -8,20 +8,13 @@ live with them, in ``benchmarks/measure.py``.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-# dynamo's log signals, named where every private torch name is (``_compat``).
-from autoweave import _compat, _installs
-from autoweave._compat import (  # noqa: F401 - re-exported for the runtime, report and tests
-    FALLBACK_LOGGER,
-    FALLBACK_NEEDLE,
-    RECOMPILE_LIMIT_LOGGER,
-    RECOMPILE_LIMIT_NEEDLE,
-)
+from autoweave import _compat, _installs, _taps
+from autoweave._compat.log_strings import Fallback, FallbackBreak, RecompileLimit
 from autoweave._failopen import RAN_EAGER, warn_each
 
 
@@ -87,110 +80,43 @@ class Capture:
         return counting
 
 
-class _FallbackListener(logging.Handler):
-    """The one handler on dynamo's fallback logger, shared by every ``FallbackCounter``.
-
-    Listening means lowering a global logger to INFO (and stopping propagation,
-    so torch's handlers don't show INFO). Counters overlap (the report's lives as
-    long as the process, the runtime's spans one call, threads interleave), so
-    the logger's state is saved by the first counter to start and restored by
-    the last to stop, whatever the order: a reference count under a lock.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self._counters: list[FallbackCounter] = []
-        self._saved: tuple[int, bool, int] | None = None  # level, propagate, effective level
-        self._silenced = False  # we turned propagation off to listen at INFO
-        self._state_lock = threading.Lock()
-
-    def add(self, counter: FallbackCounter) -> None:
-        with self._state_lock:
-            if counter in self._counters:
-                return
-            if not self._counters:
-                log = logging.getLogger(FALLBACK_LOGGER)
-                self._saved = (log.level, log.propagate, log.getEffectiveLevel())
-                log.addHandler(self)
-                # Listen at INFO without showing INFO to torch's handlers.
-                self._silenced = log.getEffectiveLevel() > logging.INFO and log.propagate
-                if log.getEffectiveLevel() > logging.INFO:
-                    log.setLevel(logging.INFO)
-                    log.propagate = False
-            self._counters.append(counter)
-
-    def remove(self, counter: FallbackCounter) -> None:
-        with self._state_lock:
-            if counter not in self._counters:
-                return
-            self._counters.remove(counter)
-            if self._counters or self._saved is None:
-                return
-            log = logging.getLogger(FALLBACK_LOGGER)
-            log.removeHandler(self)
-            log.setLevel(self._saved[0])
-            log.propagate = self._saved[1]
-            self._saved, self._silenced = None, False
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with self._state_lock:
-            counters, saved, silenced = list(self._counters), self._saved, self._silenced
-        message = record.getMessage()
-        if FALLBACK_NEEDLE in message:
-            for counter in counters:
-                counter.messages.append(message)
-        # We may have stopped propagation to listen at INFO: pass on, once, what
-        # torch's own handlers would have shown.
-        if silenced and saved is not None and record.levelno >= saved[2]:
-            parent = logging.getLogger(FALLBACK_LOGGER).parent
-            if parent is not None:
-                parent.handle(record)
-
-
-_listener = _FallbackListener()
-
-
 class FallbackCounter:
-    """Counts dynamo's own "will fall back to eager-mode PyTorch" messages while installed.
+    """dynamo's own "will fall back to eager-mode PyTorch" messages while installed, and the breaks behind them.
 
+    ``breaks`` holds the break dynamo logs after each fallback, with its user
+    stack (``planning.learned_breaks.locate`` maps it to the module that breaks).
     Any number may be installed at once, from any thread, uninstalled in any
-    order; dynamo's logger is restored when the last one is uninstalled.
+    order: they share one tap on dynamo's logger (``autoweave._taps``), which
+    restores the logger when the last one is uninstalled.
     """
 
     def __init__(self) -> None:
         self.messages: list[str] = []
+        self.breaks: list[FallbackBreak] = []
+        self._fallbacks = _taps.listening(Fallback, self._on_fallback)
+        self._breaks = _taps.listening(FallbackBreak, self.breaks.append)
+
+    def _on_fallback(self, fallback: Fallback) -> None:
+        self.messages.append(fallback.text)
 
     @property
     def count(self) -> int:
         return len(self.messages)
 
     def install(self) -> FallbackCounter:
-        _listener.add(self)
+        self._fallbacks.start()
+        self._breaks.start()
         return self
 
     def uninstall(self) -> None:
-        _listener.remove(self)
+        self._fallbacks.stop()
+        self._breaks.stop()
 
     def __enter__(self) -> FallbackCounter:
         return self.install()
 
     def __exit__(self, *exc: Any) -> None:
         self.uninstall()
-
-
-class _RecompileLimitWarning(logging.Filter):
-    """Turns dynamo's recompile-limit warning for a woven region into an autoweave warning."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if RECOMPILE_LIMIT_NEEDLE in message and "autoweave_" in message:
-            where = message.splitlines()[1].strip() if "\n" in message else message
-            warn_each(
-                f"recompile-limit:{where}",
-                f"[recompile-limit] a woven region hit dynamo's recompile limit and now runs eager: {where}. "
-                "TORCH_LOGS=recompiles says which guard failed each time",
-            )
-        return True
 
 
 def warn_on_recompile_limit() -> None:
@@ -200,14 +126,20 @@ def warn_on_recompile_limit() -> None:
     logger; ``autoweave.disable()`` takes it off.
     """
     if _installs.active():
-        _installs.install("recompile-limit warning (a filter on dynamo's logger)", _add_recompile_filter)
+        _installs.install("recompile-limit warning (a listener on dynamo's logger)", _listen_for_limits)
 
 
-def _add_recompile_filter() -> Callable[[], None]:
-    log = logging.getLogger(RECOMPILE_LIMIT_LOGGER)
-    warning = _RecompileLimitWarning()
-    log.addFilter(warning)
-    return lambda: log.removeFilter(warning)
+def _listen_for_limits() -> Callable[[], None]:
+    return _taps.listening(RecompileLimit, _warn_of_limit).start().stop
+
+
+def _warn_of_limit(hit: RecompileLimit) -> None:
+    if "autoweave_" in hit.text:  # a woven region's code, named by ``weave.apply``
+        warn_each(
+            f"recompile-limit:{hit.function}",
+            f"[recompile-limit] a woven region hit dynamo's recompile limit and now runs eager: {hit.function}. "
+            "TORCH_LOGS=recompiles says which guard failed each time",
+        )
 
 
 # -- forward GEMMs outside compiled graphs, from autograd's record ---------------------------

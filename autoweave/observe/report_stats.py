@@ -10,7 +10,6 @@ breaks); and one measured call per compiled module (``observe.measure``).
 
 from __future__ import annotations
 
-import logging
 import re
 import sys
 import threading
@@ -19,7 +18,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoweave import _compat
+from autoweave import _compat, _taps
+from autoweave._compat.log_strings import RecompileLimit
 from autoweave._log import rank, world_size
 from autoweave._state import run
 from autoweave.observe import counting, graph_breaks, summary
@@ -55,21 +55,6 @@ class RegionStats:
         }
 
 
-class _LimitFilter(logging.Filter):
-    """Records dynamo's recompile-limit warnings (any compile, autoweave's or not)."""
-
-    def __init__(self, stats: _Stats) -> None:
-        super().__init__()
-        self._stats = stats
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if counting.RECOMPILE_LIMIT_NEEDLE in message:
-            lines = [line.strip() for line in message.splitlines()]
-            self._stats.limit_hits.append(" ".join(lines[:3]))
-        return True
-
-
 _COMPILE_ID = re.compile(r"(\d+)/(\d+)")
 
 
@@ -88,14 +73,14 @@ class _Stats:
         self.fallbacks = counting.FallbackCounter()
         # id(dispatcher) -> what one steady call of its module left in the autograd graph
         self.gemms: dict[int, counting.AutogradGemms] = {}
-        self._filter = _LimitFilter(self)
+        self._limits = _taps.listening(RecompileLimit, self._on_limit)
         self._callbacks: Any = None
 
     def install(self) -> None:
 
         self.fallbacks.install()
         graph_breaks.watch_graph_breaks()  # the user's line of each graph break (autoweave/observe/graph_breaks.py)
-        logging.getLogger(counting.RECOMPILE_LIMIT_LOGGER).addFilter(self._filter)
+        self._limits.start()  # dynamo's recompile-limit warnings (any compile, autoweave's or not)
         self._callbacks = _compat.compile_callbacks()
         if self._callbacks is not None:
             self._callbacks.register_start_callback(self._on_start)
@@ -103,7 +88,7 @@ class _Stats:
 
     def uninstall(self) -> None:
         self.fallbacks.uninstall()
-        logging.getLogger(counting.RECOMPILE_LIMIT_LOGGER).removeFilter(self._filter)
+        self._limits.stop()
         if self._callbacks is not None:
             for remove, fn in (
                 (self._callbacks.remove_start_callback, self._on_start),
@@ -113,6 +98,9 @@ class _Stats:
                     remove(fn)
                 except ValueError:
                     pass
+
+    def _on_limit(self, hit: RecompileLimit) -> None:
+        self.limit_hits.append(hit.summary)
 
     # dynamo's compile callbacks: time every compile, attribute it to the regions it built
     def _on_start(self, args: Any = None, *_: Any) -> None:

@@ -1,46 +1,23 @@
 """Where dynamo broke a checkpointed region: its user stack, mapped to the modules that hold it.
 
 When dynamo cannot trace a checkpoint as one graph it logs (INFO) that it
-falls back to eager, then logs the ``Unsupported`` error itself, whose
-``real_stack`` holds the user's frames from the compiled frame down to the
-break. The innermost frame that runs a module's forward names the module that
-breaks (``locate``): the planner then treats it as a boundary and compiles
-around it. What one block taught is kept by forward code (``planning/learned``).
+falls back to eager, then logs the ``Unsupported`` error itself, with the user's
+frames from the compiled frame down to the break (read by
+``observe.counting.FallbackCounter`` as ``FallbackBreak``s). The innermost frame
+that runs a module's forward names the module that breaks (``locate``): the planner
+then treats it as a boundary and compiles around it. What one block taught is kept
+by forward code (``planning/learned``).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _compat
-from autoweave.planning import boundaries
-
-
-class BreakWatch(logging.Handler):
-    """Collects the user stacks of dynamo's fallback errors while installed (inside a FallbackCounter)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.stacks: list[tuple[str, list[Any]]] = []  # (first line of the reason, frames outermost first)
-        self._logger = logging.getLogger(_compat.FALLBACK_LOGGER)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        error = record.msg
-        stack = getattr(error, "real_stack", None)
-        if isinstance(error, BaseException) and stack:
-            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            self.stacks.append((reason, list(stack)))
-
-    def __enter__(self) -> BreakWatch:
-        self._logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._logger.removeHandler(self)
+from autoweave._compat.log_strings import Break
+from autoweave.planning import boundaries, sources
 
 
 def _span(code: Any) -> tuple[str, int, int] | None:
@@ -55,11 +32,11 @@ def _forward_span(module: nn.Module) -> tuple[str, int, int] | None:
     return _span(code) if code is not None else None
 
 
-def locate(target: nn.Module, stacks: list[tuple[str, list[Any]]]) -> dict[int, str]:
+def locate(target: nn.Module, breaks: list[Break]) -> dict[int, str]:
     """Modules of ``target`` (by id) whose own forward holds a break, with a reason naming file:line.
 
-    For each stack, the innermost frame inside a module's forward wins; frames
-    in torch's own files are skipped. Several instances of one class all match
+    For each break, the innermost of its user frames (``sources.break_frames``)
+    inside a module's forward wins. Several instances of one class all match
     (they run the same code).
     """
     import torch
@@ -71,16 +48,15 @@ def locate(target: nn.Module, stacks: list[tuple[str, list[Any]]]) -> dict[int, 
         if span is not None and not span[0].startswith(torch_dir):  # wrappers' forwards are torch's
             spans.append((span, module))
     found: dict[int, str] = {}
-    for reason, frames in stacks:
-        for frame in reversed(frames):  # innermost first
-            filename = os.path.abspath(getattr(frame, "filename", ""))
-            lineno = getattr(frame, "lineno", None) or 0
-            hits = [m for (f, first, last), m in spans if f == filename and first <= lineno <= last]
+    for brk in breaks:
+        for frame in sources.break_frames(brk):
+            filename = os.path.abspath(frame.filename)
+            hits = [m for (f, first, last), m in spans if f == filename and first <= frame.lineno <= last]
             if not hits:
                 continue
-            where = f"{os.path.basename(filename)}:{lineno}"
+            where = f"{os.path.basename(filename)}:{frame.lineno}"
             for module in hits:
-                found.setdefault(id(module), f"graph break in its forward at {where} ({reason})")
+                found.setdefault(id(module), f"graph break in its forward at {where} ({brk.reason})")
             break
     return found
 

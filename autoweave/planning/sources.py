@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoweave import _compat
+from autoweave._compat.log_strings import Break, Frame
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,21 @@ def _library_dirs() -> tuple[str, ...]:
 
 def is_user_file(filename: str) -> bool:
     return not filename.startswith("<") and not os.path.abspath(filename).startswith(_library_dirs())
+
+
+def break_frames(found: Break) -> list[Frame]:
+    """Where a graph break is in the user's source: the frames of its stack in user files, innermost first.
+
+    The one reading of a break's place: the report names the first of these
+    (``observe.graph_breaks``), the planner the first that lies in a module's
+    forward (``learned_breaks.locate``). A break logged without a stack in user
+    code (dynamo logs a repeated one so) falls back to dynamo's own
+    "in user code at" line, when that is the user's.
+    """
+    frames = [frame for frame in reversed(found.frames) if is_user_file(frame.filename)]
+    if not frames and found.at is not None and is_user_file(found.at.filename):
+        frames.append(found.at)
+    return frames
 
 
 def _code_of(fn: Any) -> Any:

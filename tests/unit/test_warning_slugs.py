@@ -16,7 +16,9 @@ def slugs_in_code() -> set[str]:
         text = path.read_text()
         found.update(re.findall(r"\[([a-z]+(?:-[a-z]+)+)\]", text))  # "[slug] message"
         found.update(re.findall(r'swallowed\(\s*"([a-z]+(?:-[a-z]+)+)"', text))  # the one guard's
-    found.update(re.findall(r'"([a-z]+-torch)"', (ROOT / "autoweave" / "_compat.py").read_text()))  # tags
+    found.update(
+        re.findall(r'"([a-z]+-torch)"', (ROOT / "autoweave" / "_compat" / "version.py").read_text())
+    )  # tags
     return found - _NOT_SLUGS
 
 

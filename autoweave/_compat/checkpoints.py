@@ -1,0 +1,162 @@
+"""Checkpoint and activation-memory internals: the traced checkpoint operator, the SAC policy,
+saved-tensor hooks, autograd's node numbers, fake tensors.
+
+Torch range: 2.11-2.15 (``version.self_check`` probes the operator and its
+metadata key on a newer torch; the rest degrade to "cannot tell" where a name
+moved). Upstream: the decorator form ``checkpoint(**options)(fn)`` (2.15+) is not
+traced as the checkpoint operator (no upstream issue found); no public API lists
+a SAC policy's context or autograd's node numbers either.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from autoweave._compat.lookup import UnsupportedTorch, find, find_optional
+
+# The metadata key on a checkpoint body's GraphModule that carries the selective-AC policy,
+# read by ``tag_activation_checkpoint``'s implementation (torch/_higher_order_ops/wrap.py).
+CHECKPOINT_CONTEXT_FN_KEY = "_checkpoint_context_fn"
+
+
+@functools.cache
+def tag_activation_checkpoint() -> Any:
+    """torch's checkpoint operator for compiled graphs: what dynamo emits for a traced ``checkpoint``."""
+    return find("torch._higher_order_ops.wrap.tag_activation_checkpoint")
+
+
+@functools.cache
+def checkpointed_function_class() -> type | None:
+    """torch 2.15+'s ``checkpoint(**options)(fn)`` result class, or None on an older torch.
+
+    Private: the decorator form returns it and nothing public names it. Needed until
+    dynamo traces it as its checkpoint operator.
+    """
+    return find_optional("torch.utils.checkpoint._CheckpointedFunction")
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Are saved-tensor hooks in force here (a user's, or an eager checkpoint's around this call)?
+
+    A measure that installs its own would shadow them: autoweave then does not measure.
+    """
+    import torch
+
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True  # cannot tell: assume so, and do not measure
+    try:
+        return top(True) is not None
+    except TypeError:  # an older signature, without the tracing flag
+        return top() is not None
+
+
+@functools.cache
+def _sac_forward_mode() -> type | None:
+    return find_optional("torch.utils.checkpoint._CachingTorchDispatchMode")
+
+
+def observe_sac_policy(contexts: Any, observe: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Swap the policy of torch's SAC forward context in ``contexts`` for ``observe(policy)``.
+
+    ``contexts`` is what a ``context_fn`` returned, ``(forward, recompute)``;
+    only the forward one (``create_selective_checkpoint_contexts``'s caching
+    mode, whose ``policy_fn`` it calls for every op) is changed, so the
+    recompute context decides as before. False when it is not torch's.
+    """
+    mode_cls = _sac_forward_mode()
+    forward = contexts[0] if isinstance(contexts, tuple) and contexts else None
+    if (
+        mode_cls is None
+        or not isinstance(forward, mode_cls)
+        or not callable(getattr(forward, "policy_fn", None))
+    ):
+        return False
+    forward.policy_fn = observe(forward.policy_fn)
+    return True
+
+
+def in_backward() -> bool:
+    """Is this code running inside autograd's backward (a checkpoint's recompute, say)?"""
+    import torch
+
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    try:
+        return current is not None and int(current()) != -1
+    except Exception:
+        return False
+
+
+def next_autograd_sequence_nr() -> int | None:
+    """The number autograd gives the next node it creates (no op is run to learn it); None if unknown."""
+    import torch
+
+    peek = getattr(torch._C._autograd, "_get_sequence_nr", None)
+    if peek is None:
+        return None
+    try:
+        return int(peek())
+    except Exception:
+        return None
+
+
+def autograd_sequence_nr(node: Any) -> int | None:
+    """The creation number autograd gave ``node`` (per thread, increasing); None where it cannot be read."""
+    try:
+        return int(node._sequence_nr())
+    except Exception:
+        return None
+
+
+def is_dispatch_mode(value: Any) -> bool:
+    """Is ``value`` a ``TorchDispatchMode`` (what a traced checkpoint needs its ``context_fn`` to return)?"""
+    mode_cls = find_optional("torch.utils._python_dispatch.TorchDispatchMode")
+    return mode_cls is not None and isinstance(value, mode_cls)
+
+
+def selective_contexts_factory() -> Any:
+    """torch's ``create_selective_checkpoint_contexts`` (None on a torch without it)."""
+    return find_optional("torch.utils.checkpoint.create_selective_checkpoint_contexts")
+
+
+def fake_tensor_mode() -> Any:
+    """A fresh ``FakeTensorMode`` of autoweave's own (no shape env: static shapes), for inspecting a graph.
+
+    A real tensor a graph holds as a constant is made fake when an op meets it.
+    """
+    return find("torch._subclasses.fake_tensor.FakeTensorMode")(allow_non_fake_inputs=True)
+
+
+def storage_key(tensor: Any) -> Any:
+    """What identifies ``tensor``'s storage (shared by its views), fake tensors included; None if none."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except Exception:  # a subclass without one storage (a DTensor), a sparse tensor
+        return None
+
+
+def returns_fresh_storage(op: Any, index: int) -> bool:
+    """Does output ``index`` of aten op ``op`` have storage of its own (no view of, or write into, an input)?"""
+    try:
+        returns = op._schema.returns
+        return returns[index].alias_info is None if index < len(returns) else True
+    except AttributeError:  # not an OpOverload (a higher-order operator)
+        return True
+
+
+def size_hint(value: Any) -> int | None:
+    """An int for a size, a symbolic one read from its hint (never guarded on); None if it has none."""
+    if isinstance(value, int):
+        return value
+    hint = getattr(getattr(value, "node", None), "hint", None)
+    return int(hint) if isinstance(hint, int) else None
+
+
+def is_fake(tensor: Any) -> bool:
+    """Is ``tensor`` a fake tensor (dynamo's or AOTAutograd's tracing, or autoweave's own inspection)?"""
+    try:
+        return bool(find("torch._subclasses.fake_tensor.is_fake")(tensor))
+    except UnsupportedTorch:
+        return False

@@ -1,0 +1,134 @@
+"""dynamo's private machinery autoweave calls: counters, callbacks, code resets, the compile in progress.
+
+Torch range: 2.11-2.15 (``version.TESTED_TORCH``); ``version.self_check`` probes
+each on a newer torch; none has a public equivalent. Why autoweave needs them
+at all: a graph break inside a checkpointed region makes dynamo run the whole
+region eager (pytorch#139989; most of this goes when dynamo compiles around such
+a break itself).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import types
+from typing import Any
+
+from autoweave._compat.lookup import find, find_optional
+
+
+def dynamo_counters() -> dict[str, Any]:
+    """dynamo's process-wide counters (``stats``, ``graph_break``...); {} when they moved."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # pragma: no cover - private counters moved
+        return {}
+    return counters
+
+
+def trace_structured(name: str, payload: Any) -> None:
+    """One JSON artifact in TORCH_TRACE's structured log (tlparse shows it)."""
+    import torch._logging
+
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "json"},
+        payload_fn=lambda: payload,
+        # Plans are made outside any compile: no stack dump for a missing compile id.
+        expect_trace_id=False,
+    )
+
+
+@functools.cache
+def torch_logging_internal() -> Any:
+    """``torch._logging._internal`` when it has what ``observe.torch_logs`` uses, else None."""
+    import importlib
+
+    try:
+        internal = importlib.import_module("torch._logging._internal")
+    except ImportError:
+        return None
+    needed = ("log_registry", "register_log", "_is_torch_handler", "_setup_handlers")
+    return internal if all(hasattr(internal, name) for name in needed) else None
+
+
+def dynamo_disabled(fn: Any) -> bool:
+    """True when ``fn`` was wrapped by ``torch.compiler.disable``/``torch._dynamo.disable``."""
+    seen = 0
+    while fn is not None and seen < 8:
+        if getattr(fn, "_torchdynamo_disable", False):
+            return True
+        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "__func__", None)
+        seen += 1
+    return False
+
+
+def disable(fn: Any, *, recursive: bool) -> Any:
+    import torch
+
+    return torch._dynamo.disable(fn, recursive=recursive)
+
+
+@functools.cache
+def _fullgraph_break_class() -> type:
+    base = find("torch._dynamo.exc.Unsupported")
+
+    class FullgraphBreak(base):  # type: ignore[misc, valid-type]
+        """``fullgraph=True`` and a graph break autoweave does not compile around."""
+
+    return FullgraphBreak
+
+
+def fullgraph_break(message: str) -> BaseException:
+    """The error ``fullgraph=True`` raises for a break: dynamo's ``Unsupported`` (a subclass)."""
+    try:
+        return _fullgraph_break_class()(message)
+    except Exception:  # a torch whose Unsupported takes other arguments
+        return RuntimeError(message)
+
+
+def compile_callbacks() -> Any:
+    """dynamo's compile start/end callback registry, or None where torch lacks it."""
+    return find_optional("torch._dynamo.callback.callback_handler")
+
+
+def reset_code(code: Any) -> bool:
+    """Drop dynamo's cache entries for one code object (its next call recompiles); False if unsupported."""
+    try:
+        import torch._dynamo
+
+        reset = torch._dynamo.reset_code
+    except (ImportError, AttributeError):
+        return False
+    reset(code)
+    return True
+
+
+@functools.cache
+def dynamo_compile_code() -> Any:
+    """The code of ``torch._dynamo.convert_frame._compile`` (None where it moved)."""
+    try:
+        from torch._dynamo import convert_frame
+
+        return inspect.unwrap(convert_frame._compile).__code__
+    except (ImportError, AttributeError):
+        return None
+
+
+def code_being_compiled() -> Any:
+    """The code object dynamo is compiling now (the ``code`` argument of its ``_compile``), or None.
+
+    dynamo's compile-start callbacks are told the compile id, not the frame; the
+    frame is an argument of ``torch._dynamo.convert_frame._compile``, up the stack.
+    """
+    target = dynamo_compile_code()
+    if target is None:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is target:
+            code = frame.f_locals.get("code")
+            return code if isinstance(code, types.CodeType) else None
+        frame = frame.f_back
+    return None

@@ -1,0 +1,118 @@
+"""Private names of torch's modules and wrappers: OptimizedModule, CheckpointWrapper, FSDP, nn.Module.
+
+Torch range: the same names on every torch in ``version.TESTED_TORCH`` (2.11-2.15)
+and long before. None has a public accessor upstream, and no upstream issue asks
+for one that we found: each read below would go with a public accessor.
+``version.self_check`` probes them on a torch newer than tested.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+from autoweave._compat.lookup import find, find_optional
+
+
+@functools.cache
+def optimized_module() -> type:
+    return find("torch._dynamo.eval_frame.OptimizedModule")
+
+
+@functools.cache
+def checkpoint_wrapper_class() -> type:
+    return find("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper")
+
+
+@functools.cache
+def fsdp2_module() -> type | None:
+    # None: torch built without distributed.
+    return find_optional("torch.distributed.fsdp.FSDPModule", "torch.distributed._composable.fsdp.FSDPModule")
+
+
+@functools.cache
+def fsdp1_module() -> type | None:
+    return find_optional("torch.distributed.fsdp.FullyShardedDataParallel")
+
+
+# OptimizedModule (torch/_dynamo/eval_frame.py): the module torch.compile wrapped.
+COMPILED_INNER = "_orig_mod"
+# nn.Module.compile stores its compiled ``_call_impl`` here (torch 2.2+; torch/nn/modules/module.py).
+COMPILED_CALL = "_compiled_call_impl"
+# CheckpointWrapper (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py): the wrapped
+# module and the checkpoint function it calls (a functools.partial of torch.utils.checkpoint).
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
+CHECKPOINT_FN = "checkpoint_fn"
+# FSDP1's wrapper (torch/distributed/fsdp/fully_sharded_data_parallel.py).
+FSDP1_WRAPPED = "_fsdp_wrapped_module"
+# torch's wrappers whose child is the user's module, looked through for messages and plans.
+WRAPPED_CHILD_ATTRS = (CHECKPOINT_WRAPPED, FSDP1_WRAPPED, COMPILED_INNER)
+# nn.Module's own stores for children, parameters and buffers (read without running
+# ``__getattr__``): the same on every torch since 1.0.
+MODULE_STORES = ("_modules", "_parameters", "_buffers")
+
+
+def compiled_inner(optimized: Any) -> Any:
+    """The module ``torch.compile`` wrapped in ``optimized`` (an OptimizedModule)."""
+    return getattr(optimized, COMPILED_INNER)
+
+
+def set_compiled_call(module: Any, call: Any) -> None:
+    """Install ``call`` where ``module.compile()`` puts the compiled ``_call_impl``."""
+    setattr(module, COMPILED_CALL, call)
+
+
+def checkpoint_wrapped(wrapper: Any) -> Any:
+    """The module a ``CheckpointWrapper`` wraps."""
+    return getattr(wrapper, CHECKPOINT_WRAPPED)
+
+
+def checkpoint_fn(wrapper: Any) -> Any:
+    """The checkpoint function a ``CheckpointWrapper`` calls (a partial of torch.utils.checkpoint)."""
+    return getattr(wrapper, CHECKPOINT_FN, None)
+
+
+def wrapped_child(module: Any) -> Any:
+    """The child a torch wrapper (CheckpointWrapper, FSDP1, OptimizedModule) wraps; None if not one."""
+    children = getattr(module, "_modules", None) or {}
+    return next((children[a] for a in WRAPPED_CHILD_ATTRS if a in children), None)
+
+
+def children_of(module: Any) -> dict[str, Any]:
+    """``module``'s registered children, the dict nn.Module keeps them in (no copy, no property run)."""
+    return module.__dict__.get("_modules", {})
+
+
+def forward_hook_dicts(module: Any) -> tuple[dict[int, Any], dict[int, Any]]:
+    """``module``'s forward pre-hooks and forward hooks (nn.Module has no public way to list them)."""
+    return module._forward_pre_hooks, module._forward_hooks
+
+
+def call_impl(module: Any) -> Any:
+    """``module._call_impl``, what ``nn.Module.compile`` compiles (torch 2.2+)."""
+    return module._call_impl
+
+
+CHECKPOINT_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+
+
+def checkpoint_wrapper_module() -> Any:
+    """The module that defines ``checkpoint_wrapper`` (a private package path, torch 1.12 to today)."""
+    return importlib.import_module(CHECKPOINT_WRAPPER_MODULE)
+
+
+# Where FSDP2's per-unit state class lives (its ``init`` runs once per ``fully_shard`` call),
+# newest path first.
+FSDP2_STATE_MODULES = (
+    "torch.distributed.fsdp._fully_shard._fsdp_state",
+    "torch.distributed._composable.fsdp._fsdp_state",
+)
+
+
+def register_module_registration_hook(hook: Any) -> Any:
+    """torch's global hook on every submodule registration; returns its handle (None if missing)."""
+    import torch.nn.modules.module as module_mod
+
+    register = getattr(module_mod, "register_module_module_registration_hook", None)
+    return None if register is None else register(hook)
