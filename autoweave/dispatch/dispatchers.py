@@ -261,7 +261,7 @@ class _Dispatcher:
         Never again on another path: the forward's side effects, its RNG draws
         and, under FSDP, its collectives (on this rank only) would happen twice.
         A failure of autoweave's own degrades where it happens, in this call: a
-        graph the backend fails on runs eager (``GraphGuard``), a frame dynamo
+        graph the backend fails on runs eager (``RegionBackend``), a frame dynamo
         cannot convert runs eager from then on (``frames_fail_open``), the rest
         stays compiled. An exception that still escapes is the model's own (a
         shape error, a raise in its forward: eager raised it, as plain torch
@@ -412,7 +412,6 @@ class _Dispatcher:
                 plan,
                 _compile_function,
                 self.compile_kwargs,
-                instrument=report.instrument,
             )
         self.skip_outer_checkpoint = plan.outer_push_down is not None and self._applied is not None
         self._enter(State.TRIAL if self._applied is not None else State.PLAIN, why)

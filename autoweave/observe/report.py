@@ -1,7 +1,9 @@
 """The run report (``AUTOWEAVE_REPORT=path.json``, ``{rank}`` for one file per rank).
 
-Counts what compiled, region by region (graphs, ops, compile time, recompiles,
-through a counting wrapper around each region's backend, see ``instrument``),
+Counts what compiled, region by region (graphs, ops, compile time, recompiles:
+told by each woven region's backend, ``weave.region_backend``, to which the
+report subscribes; plain compiles autoweave routes through a counting wrapper,
+see ``plain_kwargs``),
 and what dynamo signalled for every compile in the process, autoweave's or not
 (graph breaks, recompile-limit hits, checkpointed regions that fell back to
 eager). Written at exit; rank 0 also prints a one-screen summary, after the plan
@@ -26,9 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoweave import _compat, _installs
+from autoweave._failopen import RAN_EAGER
 from autoweave._log import logger, rank, world_size
 from autoweave._state import run
 from autoweave.observe import counting, graph_breaks, summary, trace
+from autoweave.weave import region_backend
+from autoweave.weave.region_backend import CompiledGraph
 
 # -- the report: counting what compiled ---------------------------------------------------
 
@@ -63,31 +68,35 @@ class RegionStats:
         }
 
 
-class _Counting(_compat.BackendWrapper):
-    """A backend that counts each graph (``counting.Capture``) and times it, then compiles it.
+class _CountingPlain(_compat.BackendWrapper):
+    """The backend of a plain compile autoweave routes while reporting: tells the report each graph.
 
-    Each compile gets its own wrapper, so the counts go to its region; yet two
+    Woven regions need no such wrapper (their backend tells its observers); a
+    plain compile hands dynamo the user's backend, so counting it takes this one.
+    Each compile gets its own wrapper, so the counts go to its label; yet two
     wrappers compare equal exactly when the backends they wrap do
     (``BackendWrapper``), so per-layer compiles of one block share its graphs with
     the report on, as they do without it (unequal wrappers made each layer
     recompile the shared code, hit the recompile limit after 8 and run eager, or
-    raise under ``fullgraph=True``). A shared graph is counted once, in the region
-    whose call compiled it.
+    raise under ``fullgraph=True``). A shared graph is counted once, under the
+    label whose call compiled it.
     """
 
-    def __init__(self, stats: _Stats, region: RegionStats, inner: Any) -> None:
+    def __init__(self, stats: _Stats, label: str, inner: Any) -> None:
         super().__init__(inner)
         self._stats = stats
-        self._region = region
-        self._count = region.capture.backend(inner)
+        self._label = label
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
-        self._stats.note_region(self._region)
+        ops = region_backend.ops_in(gm)  # before the backend, which may rewrite the graph
         start = time.perf_counter()
-        try:
-            return self._count(gm, example_inputs)
-        finally:
-            self._region.backend_s += time.perf_counter() - start
+        compiled = self.inner(gm, example_inputs)
+        seconds = time.perf_counter() - start
+        eager = getattr(compiled, RAN_EAGER, None)
+        self._stats.on_graph(
+            CompiledGraph(self._label, region_backend.graph_name(gm), ops, eager, seconds), kind="plain"
+        )
+        return compiled
 
 
 class _LimitFilter(logging.Filter):
@@ -125,9 +134,10 @@ class _Stats:
         self.gemms: dict[int, counting.AutogradGemms] = {}
         self._filter = _LimitFilter(self)
         self._callbacks: Any = None
+        self._unobserve: Callable[[], None] | None = None
 
     def install(self) -> None:
-
+        self._unobserve = region_backend.observe_graphs(self.on_graph)
         self.fallbacks.install()
         graph_breaks.watch_graph_breaks()  # the user's line of each graph break (autoweave/observe/graph_breaks.py)
         logging.getLogger(counting.RECOMPILE_LIMIT_LOGGER).addFilter(self._filter)
@@ -137,6 +147,9 @@ class _Stats:
             self._callbacks.register_end_callback(self._on_end)
 
     def uninstall(self) -> None:
+        if self._unobserve is not None:
+            self._unobserve()
+            self._unobserve = None
         self.fallbacks.uninstall()
         logging.getLogger(counting.RECOMPILE_LIMIT_LOGGER).removeFilter(self._filter)
         if self._callbacks is not None:
@@ -173,10 +186,15 @@ class _Stats:
             region.compiles += 1
             region.recompiles += recompile
 
-    def note_region(self, region: RegionStats) -> None:
+    def on_graph(self, graph: CompiledGraph, kind: str = "woven") -> None:
+        """A region's backend compiled a graph (or runs it eager): count it under its region."""
+        region = self.region(graph.label, kind)
         with self._lock:
+            # The compile now open (dynamo's callbacks) built this region: it shares that time.
             if self._open and region not in self._open[-1][1]:
                 self._open[-1][1].append(region)
+        region.capture.add(graph.name, graph.ops, graph.eager)
+        region.backend_s += graph.seconds
 
     def region(self, label: str, kind: str) -> RegionStats:
         with self._lock:
@@ -364,7 +382,7 @@ def on_plan(entry: summary.Entry) -> None:
 
 
 # The report's install key (``autoweave._installs``): ``disable()`` stops the report.
-REPORT = "run report (counting backends, dynamo's compile callbacks, recompile-limit filter)"
+REPORT = "run report (region-graph observer, dynamo's compile callbacks, recompile-limit filter)"
 
 
 def start(path: str | None = None) -> None:
@@ -398,25 +416,15 @@ def stop() -> dict[str, Any] | None:
     return data
 
 
-def instrument(kwargs: dict[str, Any], label: str, kind: str = "woven") -> dict[str, Any]:
-    """``torch.compile`` kwargs whose backend counts into region ``label``; unchanged when off.
+def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Kwargs for the plain compile of ``module`` that autoweave routes: counted when reporting.
 
-    The wrapper holds the very callable torch would build from ``backend``,
-    ``mode`` and ``options``, so compiling through it is compiling as asked.
+    The counting wrapper holds the very callable torch would build from
+    ``backend``, ``mode`` and ``options``, so compiling through it is compiling
+    as asked. Unchanged when the report is off.
     """
     stats = _stats
     if stats is None:
-        return kwargs
-    try:
-        return _compat.wrap_backend(kwargs, lambda inner: _Counting(stats, stats.region(label, kind), inner))
-    except Exception as exc:  # AOTInductor options, a torch without the wrappers
-        logger.debug("report: not counting %s (%s)", label, exc)
-        return kwargs
-
-
-def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Kwargs for the plain compile of ``module`` that autoweave routes (counted when reporting)."""
-    if _stats is None:
         return kwargs
     with _lock:
         run.plain_count += 1
@@ -425,7 +433,12 @@ def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         run.plain_labels[module] = label
     except TypeError:
         return kwargs
-    return instrument(kwargs, label, kind="plain")
+    stats.region(label, "plain")
+    try:
+        return _compat.wrap_backend(kwargs, lambda inner: _CountingPlain(stats, label, inner))
+    except Exception as exc:  # AOTInductor options, a torch without the wrappers
+        logger.debug("report: not counting %s (%s)", label, exc)
+        return kwargs
 
 
 # -- at exit ------------------------------------------------------------------------------

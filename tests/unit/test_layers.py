@@ -51,6 +51,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.weave",
         "autoweave.weave.code_copy",
         "autoweave.weave.pieces",
+        "autoweave.weave.region_backend",
         "autoweave.weave.decorated_checkpoints",
         "autoweave.weave.apply",
     ),
