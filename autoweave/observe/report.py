@@ -1,9 +1,7 @@
 """The run report (``AUTOWEAVE_REPORT=path.json``, ``{rank}`` for one file per rank).
 
 Counts what compiled, region by region (graphs, ops, compile time, recompiles:
-told by each woven region's backend, ``weave.region_backend``, to which the
-report subscribes; plain compiles autoweave routes through a counting wrapper,
-see ``plain_kwargs``),
+woven regions' backends tell the report, plain compiles are counted by a wrapper),
 and what dynamo signalled for every compile in the process, autoweave's or not
 (graph breaks, recompile-limit hits, checkpointed regions that fell back to
 eager). Written at exit; rank 0 also prints a one-screen summary, after the plan
@@ -32,8 +30,7 @@ from autoweave._failopen import RAN_EAGER
 from autoweave._log import logger, rank, world_size
 from autoweave._state import run
 from autoweave.observe import counting, graph_breaks, summary, trace
-from autoweave.weave import region_backend
-from autoweave.weave.region_backend import CompiledGraph
+from autoweave.weave.region_backend import CompiledGraph, graph_name, observe_graphs, ops_in
 
 # -- the report: counting what compiled ---------------------------------------------------
 
@@ -69,33 +66,25 @@ class RegionStats:
 
 
 class _CountingPlain(_compat.BackendWrapper):
-    """The backend of a plain compile autoweave routes while reporting: tells the report each graph.
+    """A plain compile's backend while reporting (a woven region's tells the report itself).
 
-    Woven regions need no such wrapper (their backend tells its observers); a
-    plain compile hands dynamo the user's backend, so counting it takes this one.
-    Each compile gets its own wrapper, so the counts go to its label; yet two
-    wrappers compare equal exactly when the backends they wrap do
-    (``BackendWrapper``), so per-layer compiles of one block share its graphs with
-    the report on, as they do without it (unequal wrappers made each layer
-    recompile the shared code, hit the recompile limit after 8 and run eager, or
-    raise under ``fullgraph=True``). A shared graph is counted once, under the
-    label whose call compiled it.
+    One wrapper per compile, so the counts go to its label; yet two compare equal
+    when the backends they wrap do (``BackendWrapper``): per-layer compiles of one
+    block share its graphs with the report on, as without it (unequal wrappers made
+    each layer recompile the shared code up to the recompile limit, then run eager).
+    A shared graph is counted once, under the label whose call compiled it.
     """
 
     def __init__(self, stats: _Stats, label: str, inner: Any) -> None:
         super().__init__(inner)
-        self._stats = stats
-        self._label = label
+        self._stats, self._label = stats, stats.region(label, "plain").label
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
-        ops = region_backend.ops_in(gm)  # before the backend, which may rewrite the graph
-        start = time.perf_counter()
+        ops, start = ops_in(gm), time.perf_counter()  # ops before the backend, which may rewrite gm
         compiled = self.inner(gm, example_inputs)
         seconds = time.perf_counter() - start
-        eager = getattr(compiled, RAN_EAGER, None)
-        self._stats.on_graph(
-            CompiledGraph(self._label, region_backend.graph_name(gm), ops, eager, seconds), kind="plain"
-        )
+        graph = CompiledGraph(self._label, graph_name(gm), ops, getattr(compiled, RAN_EAGER, None), seconds)
+        self._stats.on_graph(graph, kind="plain")
         return compiled
 
 
@@ -137,7 +126,7 @@ class _Stats:
         self._unobserve: Callable[[], None] | None = None
 
     def install(self) -> None:
-        self._unobserve = region_backend.observe_graphs(self.on_graph)
+        self._unobserve = observe_graphs(self.on_graph)
         self.fallbacks.install()
         graph_breaks.watch_graph_breaks()  # the user's line of each graph break (autoweave/observe/graph_breaks.py)
         logging.getLogger(counting.RECOMPILE_LIMIT_LOGGER).addFilter(self._filter)
@@ -203,15 +192,15 @@ class _Stats:
             return self.regions[label]
 
     def name_regions(self, entry: summary.Entry) -> None:
-        labels = dict(entry.regions)
-        if entry.plain_label is not None and not entry.plan.woven:
-            labels[""] = entry.plain_label
-        for path, label in labels.items():
-            region = self.regions.get(label)
-            if region is not None:
-                shown = summary.join_path(entry.shown, path)
-                if shown not in region.modules:
-                    region.modules.append(shown)
+        # A woven region is reported from its plan on; a plain compile once it is counted.
+        regions = [(path, self.region(label, "woven")) for path, label in entry.regions.items()]
+        plain = self.regions.get(entry.plain_label) if entry.plain_label is not None else None
+        if plain is not None and not entry.plan.woven:
+            regions.append(("", plain))
+        for path, region in regions:
+            shown = summary.join_path(entry.shown, path)
+            if shown not in region.modules:
+                region.modules.append(shown)
 
     def compiled_anything(self) -> bool:
         """Did this process compile, plan or see a fallback? If not, it has nothing to report."""
@@ -419,9 +408,8 @@ def stop() -> dict[str, Any] | None:
 def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Kwargs for the plain compile of ``module`` that autoweave routes: counted when reporting.
 
-    The counting wrapper holds the very callable torch would build from
-    ``backend``, ``mode`` and ``options``, so compiling through it is compiling
-    as asked. Unchanged when the report is off.
+    The wrapper holds the very callable torch would build from ``backend``,
+    ``mode`` and ``options``: compiling through it is compiling as asked.
     """
     stats = _stats
     if stats is None:
@@ -433,7 +421,6 @@ def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         run.plain_labels[module] = label
     except TypeError:
         return kwargs
-    stats.region(label, "plain")
     try:
         return _compat.wrap_backend(kwargs, lambda inner: _CountingPlain(stats, label, inner))
     except Exception as exc:  # AOTInductor options, a torch without the wrappers

@@ -227,32 +227,43 @@ def _region_forward(
     pieces_fn = checkpoint_fn if decision.pieces else None
     if pieces_fn is not None:
         checkpoint_fn = None
+    key = _region_key(module, decision, kwargs)
     own = own_forward(module)
     if own is not None:
-        # An instance-level forward: a region of its own, with a backend of its own.
-        label = _label(decision.path, module)
-        region_kw, backend = _backend_kwargs(kwargs, label, pieces_fn)
+        # An instance-level forward: compiled code of its own. Its backend is still its
+        # kind's: the frames its forward breaks into (the user's shared function, the
+        # class's children) are cached per code object, and under a backend of each
+        # instance's own dynamo would recompile them per instance (BACKEND_MATCH) up to
+        # the recompile limit. Pieces measure what each region holds: one of its own.
+        if pieces_fn is None:
+            label, region_kw, backend = _kind_backend(key, decision, module, kwargs)
+        else:
+            label = _label(decision.path, module)
+            region_kw, backend = _backend_kwargs(kwargs, label, pieces_fn)
         _pieces_of_region(backend, pieces)
         return compile_fn(_private_region(own, checkpoint_fn, label), **region_kw), label
-    # One compiled region, and so one backend, per key: identical blocks share both.
-    key = _region_key(module, decision, kwargs)
+    # One compiled region, and one backend, per kind: identical blocks share both.
+    label, region_kw, backend = _kind_backend(key, decision, module, kwargs, pieces_fn)
     if key not in run.shared_regions:
-        label = _label(decision.path, module)
-        region_kw, backend = _backend_kwargs(kwargs, label, pieces_fn)
-        run.shared_regions[key] = (
-            compile_fn(
-                on_own_code(type(module).forward, label, through_wrappers=True)
-                if decision.splits and checkpoint_fn is None and _user_code(type(module).forward)
-                else _shared_region(type(module).forward, checkpoint_fn, label),
-                **region_kw,
-            ),
-            label,
-            backend,
+        run.shared_regions[key] = compile_fn(
+            on_own_code(type(module).forward, label, through_wrappers=True)
+            if decision.splits and checkpoint_fn is None and _user_code(type(module).forward)
+            else _shared_region(type(module).forward, checkpoint_fn, label),
+            **region_kw,
         )
-    compiled, label, backend = run.shared_regions[key]
     # Every block of the kind measures through the one backend its graphs were cut by.
     _pieces_of_region(backend, pieces)
-    return functools.partial(compiled, module), label
+    return functools.partial(run.shared_regions[key], module), label
+
+
+def _kind_backend(
+    key: tuple, decision: Any, module: nn.Module, kwargs: dict[str, Any], pieces_fn: Any = None
+) -> tuple[str, dict[str, Any], RegionBackend | None]:
+    """The label, compile kwargs and ``RegionBackend`` of the kind of region ``key``: built once."""
+    if key not in run.region_backends:
+        label = _label(decision.path, module)
+        run.region_backends[key] = (label, *_backend_kwargs(kwargs, label, pieces_fn))
+    return run.region_backends[key]
 
 
 def _pieces_of_region(backend: RegionBackend | None, pieces: list[CheckpointPieces] | None) -> None:
