@@ -15,7 +15,7 @@ What it costs: a piece's inputs are kept for its backward (the whole block
 kept only its input), so activation memory grows by the tensors that cross a
 break. ``memory`` measures it at a block's first call against what eager
 selective AC would keep (its input, and the outputs the policy saves: this
-backend tells it, having watched the policy while the pieces were traced);
+helper tells it, having watched the policy while the pieces were traced);
 ``benchmarks/sac_memory.py`` measures both on whole models.
 
 A piece that changes in place an input backward needs is compiled without the
@@ -247,7 +247,7 @@ class CheckpointPieces:
 
     @property
     def traced(self) -> bool:
-        """Has dynamo handed this backend a graph with ops yet?"""
+        """Has dynamo handed this region a graph with ops yet?"""
         return self._graphs > 0
 
     def note(self, text: str) -> None:

@@ -20,6 +20,8 @@ the callable torch would have built from the user's ``backend``/``mode``/
 Identity is the object's own: ``apply`` builds one backend per region key, so
 identical blocks share it by construction, and dynamo (which matches a
 frame's cached graphs to the current backend with ``==``) shares their graphs.
+(The one exception: a region of an instance-level forward under pieces has one
+of its own, since its pieces measure what that region holds.)
 """
 
 from __future__ import annotations
