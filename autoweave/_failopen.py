@@ -95,7 +95,7 @@ def warn_each(key: str, message: str) -> None:
         pass
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     """``Type: first line`` of an error; a line ending in ':' (dynamo's "backend='x' raised:") runs on."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     text = lines[0] if lines else ""
@@ -121,46 +121,6 @@ def runs_eager(fn: Any, why: str) -> Any:
     return fn
 
 
-class GraphGuard(_compat.BackendWrapper):
-    """A woven region's backend, failing open: a graph the backend fails on runs eager.
-
-    torch's ``suppress_errors`` answers a backend failure by running the whole
-    frame eager; this answers it for the one graph, in the same call: the
-    graph's own ``forward`` (what dynamo traced, run eagerly) takes the place of
-    the compiled graph, the other graphs stay compiled, one warning per kind
-    of failure. What dynamo acts on itself (a restart, a skip, a graph break,
-    a dim error of the user's) passes through; strict mode re-raises.
-
-    Two guards compare equal when the backends they wrap do (``BackendWrapper``),
-    so regions compiled one by one still share graphs.
-    """
-
-    def __init__(self, inner: Any, region: str) -> None:
-        super().__init__(inner)
-        self.region = region
-
-    def __call__(self, gm: Any, example_inputs: Any) -> Any:
-        try:
-            return self.inner(gm, example_inputs)
-        except _compat.backend_errors_dynamo_handles():
-            raise
-        except Exception as exc:
-            why = _first_line(exc)
-            swallowed(
-                "graph-eager",
-                f"graph:{why}",
-                f"the backend {self.__name__!r} failed on a graph of the woven region {self.region} ({why}); "
-                "that graph runs eager, the rest stays compiled",
-                exc,
-            )
-            forward = gm.forward
-
-            def eager(*args: Any) -> Any:
-                return forward(*args)
-
-            return runs_eager(eager, f"the backend failed on it ({why})")
-
-
 class FailedFrames:
     """The frames dynamo could not convert during a first call, each run eager instead."""
 
@@ -182,7 +142,7 @@ class FailedFrames:
         where = (
             f"`{code.co_name}` ({code.co_filename}:{code.co_firstlineno})" if code is not None else "a frame"
         )
-        return f"{where} ({_first_line(exc)})"
+        return f"{where} ({first_line(exc)})"
 
 
 @contextmanager

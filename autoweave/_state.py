@@ -34,10 +34,10 @@ class RunState:
         self.learned_memory: dict[tuple, Any] = {}
         # id(context_fn) -> (context_fn, why a traced checkpoint cannot take it, or None).
         self.context_verdicts: dict[int, tuple[Any, str | None]] = {}
-        # weave: region key -> (compiled region, label); identical blocks share one.
-        self.shared_regions: dict[
-            tuple, tuple[Any, str, Any]
-        ] = {}  # key -> (compiled, label, pieces backend)
+        # weave: region key -> its label, compile kwargs and RegionBackend (None: compiled as
+        # asked), and its compiled function; identical blocks share both.
+        self.region_backends: dict[tuple, tuple[str, dict[str, Any], Any]] = {}
+        self.shared_regions: dict[tuple, Any] = {}
         # pieces: region label -> what its compile had to do differently (a piece left
         # unchecked, say), for the plan log and the report.
         self.region_notes: dict[str, list[str]] = {}

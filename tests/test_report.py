@@ -163,21 +163,21 @@ def test_fallback_detected_for_compiles_autoweave_did_not_route(weave_on) -> Non
     assert "WARNING" in report_exit.format_exit_summary(data, None)
 
 
-def test_instrument_is_a_no_op_without_a_report() -> None:
+def test_plain_kwargs_are_unchanged_without_a_report() -> None:
     kwargs = {"backend": "inductor", "mode": "max-autotune"}
-    assert report.instrument(kwargs, "x") is kwargs
+    assert report.plain_kwargs(nn.Linear(2, 2), kwargs) is kwargs
 
 
-def test_instrument_builds_the_backend_torch_would(weave_on) -> None:
+def test_plain_kwargs_build_the_backend_torch_would(weave_on) -> None:
     report.start(None)
-    out = report.instrument(
-        {"backend": "inductor", "mode": "max-autotune-no-cudagraphs", "fullgraph": True}, "r"
+    out = report.plain_kwargs(
+        nn.Linear(2, 2), {"backend": "inductor", "mode": "max-autotune-no-cudagraphs", "fullgraph": True}
     )
     assert set(out) == {"backend", "fullgraph"}
     inner = out["backend"].inner
     assert isinstance(inner, torch._TorchCompileInductorWrapper)
     assert inner == torch._TorchCompileInductorWrapper("max-autotune-no-cudagraphs", None, None)
-    filtered = report.instrument({"backend": "eager", "options": {"guard_filter_fn": len}}, "r2")
+    filtered = report.plain_kwargs(nn.Linear(2, 2), {"backend": "eager", "options": {"guard_filter_fn": len}})
     assert filtered["options"] == {"guard_filter_fn": len}
 
 
@@ -242,6 +242,61 @@ def test_the_report_changes_nothing_that_compiles(weave_on, fullgraph: bool, in_
     assert data["dynamo"]["recompiles"] == plain["recompiles"] == 1
     assert sum(r["recompiles"] for r in data["regions"]) == 1
     assert len(data["regions"]) == 10 and data["totals"]["modules"] == 10
+
+
+def _backend_chains(*, reporting: bool) -> dict:
+    """Compile a selective-AC block woven as pieces; the backends dynamo called for its regions' graphs.
+
+    Each chain lists the frames between dynamo and the user's backend (outermost
+    first), read off the stack while the user's backend runs.
+    """
+
+    from autoweave import _compat
+    from tests import break_models as bm
+
+    torch._dynamo.reset()
+    _state.reset()
+    if reporting:
+        report.start(None)
+    aot_eager = _compat.lookup_backend("aot_eager")
+    dynamo_dir = os.path.dirname(torch._dynamo.__file__)
+    chains: list[tuple[str, ...]] = []
+
+    def users_backend(gm, example_inputs):
+        code = _compat.code_being_compiled()
+        if code is not None and code.co_name.startswith("autoweave_"):  # a woven region's graph
+            chain, frame = [], sys._getframe(1)
+            while frame is not None and not frame.f_code.co_filename.startswith(dynamo_dir):
+                chain.append(frame.f_code.co_qualname)
+                frame = frame.f_back
+            chains.append(tuple(reversed(chain)))
+        return aot_eager(gm, example_inputs)
+
+    torch.manual_seed(0)
+    block = bm.with_ac(bm.GlueGemmBlock(16), "selective")
+    model = torch.compile(autoweave.set_mode(block, strategy="pieces"), backend=users_backend)
+    x = torch.randn(12, 16)
+    for _ in range(2):
+        model(x).sum().backward()
+    assert autoweave.plan(block).decision("_checkpoint_wrapped_module").pieces
+    return {"chains": chains, "report": report.stop(), "out": model(x).detach()}
+
+
+def test_a_woven_region_compiles_through_the_same_backend_with_the_report_on_or_off(weave_on) -> None:
+    off = _backend_chains(reporting=False)
+    on = _backend_chains(reporting=True)
+    assert off["chains"], "no woven region's graph reached the backend"
+    assert on["chains"] == off["chains"]  # observing hands dynamo the very same backend
+    torch.testing.assert_close(on["out"], off["out"], rtol=0, atol=0)
+    # torch's own wrapper around the region's backend, and torch's around the user's: nothing more.
+    assert [name for name in off["chains"][0] if name.endswith("__call__")] == [
+        "_TorchCompileWrapper.__call__",
+        "RegionBackend.__call__",
+        "_TorchCompileWrapper.__call__",
+    ]
+    # And the report still counted the region's graphs, through the backend's observer.
+    woven = [r for r in on["report"]["regions"] if r["kind"] == "woven"]
+    assert sum(r["graphs"] for r in woven) >= len(on["chains"]) and on["report"]["totals"]["ops"] > 0
 
 
 def _run_job(tmp: Path, weave: str, template: str, *, spawn: bool = False) -> tuple[Path, str]:

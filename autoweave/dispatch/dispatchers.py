@@ -31,7 +31,7 @@ from autoweave._log import logger
 from autoweave._state import run as _run
 from autoweave.dispatch import plan_inputs
 from autoweave.dispatch.states import _RUNS_REGIONS, _TRANSITIONS, State, Why
-from autoweave.observe import counting, graph_breaks, report, summary
+from autoweave.observe import counting, graph_breaks, summary
 from autoweave.planning import learned_breaks, planner, tree_changes
 from autoweave.planning.learned import hoist_reason, learn_breaks
 from autoweave.weave import apply
@@ -296,7 +296,7 @@ class _Dispatcher:
         Never again on another path: the forward's side effects, its RNG draws
         and, under FSDP, its collectives (on this rank only) would happen twice.
         A failure of autoweave's own degrades where it happens, in this call: a
-        graph the backend fails on runs eager (``GraphGuard``), a frame dynamo
+        graph the backend fails on runs eager (``RegionBackend``), a frame dynamo
         cannot convert runs eager from then on (``frames_fail_open``), the rest
         stays compiled. An exception that still escapes is the model's own (a
         shape error, a raise in its forward: eager raised it, as plain torch
@@ -448,7 +448,6 @@ class _Dispatcher:
                 plan,
                 _compile_function,
                 self.compile_kwargs,
-                instrument=report.instrument,
             )
         self.skip_outer_checkpoint = plan.outer_push_down is not None and self._applied is not None
         self._enter(State.TRIAL if self._applied is not None else State.PLAIN, why)

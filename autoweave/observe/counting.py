@@ -16,6 +16,7 @@ from typing import Any
 from autoweave import _compat, _installs, _taps
 from autoweave._compat.log_strings import Fallback, FallbackBreak, RecompileLimit
 from autoweave._failopen import RAN_EAGER, warn_each
+from autoweave.weave.region_backend import graph_name, ops_in
 
 
 @dataclass
@@ -57,24 +58,19 @@ class Capture:
     def eager_ops(self) -> int:
         return sum(g.ops for g in self.eager)
 
+    def add(self, name: str, ops: int, eager: str | None = None) -> None:
+        """Record a graph of ``ops`` ops: compiled, or run eager (and why)."""
+        with self._lock:
+            self.graphs.append(GraphRecord(name, ops, eager))
+
     def backend(self, inner: str | Callable[..., Any] = "aot_eager") -> Callable[..., Any]:
-        """A dynamo backend that records each graph, then compiles it with ``inner``."""
+        """A dynamo backend that records each graph, then compiles it with ``inner`` (tests, benchmarks)."""
         compile_inner = _compat.lookup_backend(inner) if isinstance(inner, str) else inner
 
         def counting(gm: Any, example_inputs: Any) -> Any:
-            # Higher-order ops (the checkpoint of a traced AC region) keep their
-            # bodies in sub-GraphModules: count those ops too.
-            ops = sum(
-                1
-                for module in gm.modules()
-                if hasattr(module, "graph")
-                for node in module.graph.nodes
-                if node.op == "call_function"
-            )
+            ops = ops_in(gm)  # before the backend, which may rewrite the graph
             compiled = compile_inner(gm, example_inputs)
-            name = gm._get_name() if hasattr(gm, "_get_name") else "graph"
-            with self._lock:
-                self.graphs.append(GraphRecord(name, ops, getattr(compiled, RAN_EAGER, None)))
+            self.add(graph_name(gm), ops, getattr(compiled, RAN_EAGER, None))
             return compiled
 
         return counting

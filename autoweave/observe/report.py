@@ -1,9 +1,10 @@
 """The run report (``AUTOWEAVE_REPORT=path.json``, ``{rank}`` for one file per rank): collecting.
 
 ``start`` installs a collector (``report_stats._Stats``) and ``stop`` takes it
-off and returns its snapshot. While it runs, each region's compile goes
-through a counting backend (``instrument``, ``plain_kwargs``): graphs, ops,
-compile time, recompiles, counted per region. The collector also listens to
+off and returns its snapshot. While it runs, woven regions' backends tell it
+each graph they compile (``weave.region_backend.observe_graphs``) and plain
+compiles are counted by a wrapper (``plain_kwargs``): graphs, ops, compile time,
+recompiles, per region. The collector also listens to
 the dispatchers (``autoweave._events``, wired by ``observe.subscriptions``):
 recorded plans name its regions, first-call fallbacks woven around are
 counted, and ``observe.measure`` measures one steady call of each module.
@@ -18,39 +19,37 @@ from collections.abc import Callable
 from typing import Any
 
 from autoweave import _compat, _installs
+from autoweave._failopen import RAN_EAGER
 from autoweave._log import logger
 from autoweave._state import run
 from autoweave.observe import counting, summary
-from autoweave.observe.report_stats import RegionStats, _Stats
+from autoweave.observe.report_stats import _Stats
+from autoweave.weave.region_backend import CompiledGraph, graph_name, ops_in
 
 # -- counting what compiled -----------------------------------------------------------------
 
 
-class _Counting(_compat.BackendWrapper):
-    """A backend that counts each graph (``counting.Capture``) and times it, then compiles it.
+class _CountingPlain(_compat.BackendWrapper):
+    """A plain compile's backend while reporting (a woven region's tells the report itself).
 
-    Each compile gets its own wrapper, so the counts go to its region; yet two
-    wrappers compare equal exactly when the backends they wrap do
-    (``BackendWrapper``), so per-layer compiles of one block share its graphs with
-    the report on, as they do without it (unequal wrappers made each layer
-    recompile the shared code, hit the recompile limit after 8 and run eager, or
-    raise under ``fullgraph=True``). A shared graph is counted once, in the region
-    whose call compiled it.
+    One wrapper per compile, so the counts go to its label; yet two compare equal
+    when the backends they wrap do (``BackendWrapper``): per-layer compiles of one
+    block share its graphs with the report on, as without it (unequal wrappers made
+    each layer recompile the shared code up to the recompile limit, then run eager).
+    A shared graph is counted once, under the label whose call compiled it.
     """
 
-    def __init__(self, stats: _Stats, region: RegionStats, inner: Any) -> None:
+    def __init__(self, stats: _Stats, label: str, inner: Any) -> None:
         super().__init__(inner)
-        self._stats = stats
-        self._region = region
-        self._count = region.capture.backend(inner)
+        self._stats, self._label = stats, stats.region(label, "plain").label
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
-        self._stats.note_region(self._region)
-        start = time.perf_counter()
-        try:
-            return self._count(gm, example_inputs)
-        finally:
-            self._region.backend_s += time.perf_counter() - start
+        ops, start = ops_in(gm), time.perf_counter()  # ops before the backend, which may rewrite gm
+        compiled = self.inner(gm, example_inputs)
+        seconds = time.perf_counter() - start
+        graph = CompiledGraph(self._label, graph_name(gm), ops, getattr(compiled, RAN_EAGER, None), seconds)
+        self._stats.on_graph(graph, kind="plain")
+        return compiled
 
 
 _stats: _Stats | None = None
@@ -94,7 +93,7 @@ def on_plan(entry: summary.Entry) -> None:
 
 
 # The report's install key (``autoweave._installs``): ``disable()`` stops the report.
-REPORT = "run report (counting backends, dynamo's compile callbacks, recompile-limit filter)"
+REPORT = "run report (region-graph observer, dynamo's compile callbacks, recompile-limit filter)"
 
 
 def start(path: str | None = None) -> None:
@@ -128,25 +127,14 @@ def stop() -> dict[str, Any] | None:
     return data
 
 
-def instrument(kwargs: dict[str, Any], label: str, kind: str = "woven") -> dict[str, Any]:
-    """``torch.compile`` kwargs whose backend counts into region ``label``; unchanged when off.
+def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Kwargs for the plain compile of ``module`` that autoweave routes: counted when reporting.
 
     The wrapper holds the very callable torch would build from ``backend``,
-    ``mode`` and ``options``, so compiling through it is compiling as asked.
+    ``mode`` and ``options``: compiling through it is compiling as asked.
     """
     stats = _stats
     if stats is None:
-        return kwargs
-    try:
-        return _compat.wrap_backend(kwargs, lambda inner: _Counting(stats, stats.region(label, kind), inner))
-    except Exception as exc:  # AOTInductor options, a torch without the wrappers
-        logger.debug("report: not counting %s (%s)", label, exc)
-        return kwargs
-
-
-def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Kwargs for the plain compile of ``module`` that autoweave routes (counted when reporting)."""
-    if _stats is None:
         return kwargs
     with _lock:
         run.plain_count += 1
@@ -155,4 +143,8 @@ def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         run.plain_labels[module] = label
     except TypeError:
         return kwargs
-    return instrument(kwargs, label, kind="plain")
+    try:
+        return _compat.wrap_backend(kwargs, lambda inner: _CountingPlain(stats, label, inner))
+    except Exception as exc:  # AOTInductor options, a torch without the wrappers
+        logger.debug("report: not counting %s (%s)", label, exc)
+        return kwargs

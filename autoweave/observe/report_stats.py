@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ from autoweave._compat.log_strings import RecompileLimit
 from autoweave._log import rank, world_size
 from autoweave._state import run
 from autoweave.observe import counting, graph_breaks, summary
+from autoweave.weave.region_backend import CompiledGraph, observe_graphs
 
 
 @dataclass
@@ -75,9 +77,10 @@ class _Stats:
         self.gemms: dict[int, counting.AutogradGemms] = {}
         self._limits = _taps.listening(RecompileLimit, self._on_limit)
         self._callbacks: Any = None
+        self._unobserve: Callable[[], None] | None = None
 
     def install(self) -> None:
-
+        self._unobserve = observe_graphs(self.on_graph)
         self.fallbacks.install()
         graph_breaks.watch_graph_breaks()  # the user's line of each graph break (autoweave/observe/graph_breaks.py)
         self._limits.start()  # dynamo's recompile-limit warnings (any compile, autoweave's or not)
@@ -87,6 +90,9 @@ class _Stats:
             self._callbacks.register_end_callback(self._on_end)
 
     def uninstall(self) -> None:
+        if self._unobserve is not None:
+            self._unobserve()
+            self._unobserve = None
         self.fallbacks.uninstall()
         self._limits.stop()
         if self._callbacks is not None:
@@ -126,10 +132,15 @@ class _Stats:
             region.compiles += 1
             region.recompiles += recompile
 
-    def note_region(self, region: RegionStats) -> None:
+    def on_graph(self, graph: CompiledGraph, kind: str = "woven") -> None:
+        """A region's backend compiled a graph (or runs it eager): count it under its region."""
+        region = self.region(graph.label, kind)
         with self._lock:
+            # The compile now open (dynamo's callbacks) built this region: it shares that time.
             if self._open and region not in self._open[-1][1]:
                 self._open[-1][1].append(region)
+        region.capture.add(graph.name, graph.ops, graph.eager)
+        region.backend_s += graph.seconds
 
     def region(self, label: str, kind: str) -> RegionStats:
         with self._lock:
@@ -138,15 +149,15 @@ class _Stats:
             return self.regions[label]
 
     def name_regions(self, entry: summary.Entry) -> None:
-        labels = dict(entry.regions)
-        if entry.plain_label is not None and not entry.plan.woven:
-            labels[""] = entry.plain_label
-        for path, label in labels.items():
-            region = self.regions.get(label)
-            if region is not None:
-                shown = summary.join_path(entry.shown, path)
-                if shown not in region.modules:
-                    region.modules.append(shown)
+        # A woven region is reported from its plan on; a plain compile once it is counted.
+        regions = [(path, self.region(label, "woven")) for path, label in entry.regions.items()]
+        plain = self.regions.get(entry.plain_label) if entry.plain_label is not None else None
+        if plain is not None and not entry.plan.woven:
+            regions.append(("", plain))
+        for path, region in regions:
+            shown = summary.join_path(entry.shown, path)
+            if shown not in region.modules:
+                region.modules.append(shown)
 
     def compiled_anything(self) -> bool:
         """Did this process compile, plan or see a fallback? If not, it has nothing to report."""

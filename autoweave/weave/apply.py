@@ -16,7 +16,6 @@ from typing import Any
 import torch.nn as nn
 
 from autoweave import _compat
-from autoweave._failopen import GraphGuard
 from autoweave._instances import install_forward, restore_forward
 from autoweave._log import logger
 from autoweave._state import run
@@ -27,25 +26,27 @@ from autoweave.planning.planner import Action, Plan
 from autoweave.weave.code_copy import on_own_code
 from autoweave.weave.first_call_memory import FirstCall
 from autoweave.weave.pieces import CheckpointPieces
+from autoweave.weave.region_backend import RegionBackend, region_kwargs
 
 _labels = itertools.count()
 
-# Given the compile kwargs and a region's label, the kwargs to compile it with
-# (the report's counting backend, say); weaving itself reports nothing.
-Instrument = Callable[[dict[str, Any], str], dict[str, Any]]
 
+def _backend_kwargs(
+    kwargs: dict[str, Any], label: str, pieces_fn: Any
+) -> tuple[dict[str, Any], RegionBackend | None]:
+    """The region's compile kwargs, through its ``RegionBackend`` (pieces under ``pieces_fn`` if given).
 
-def _as_asked(kwargs: dict[str, Any], label: str) -> dict[str, Any]:
-    return kwargs
-
-
-def _failing_open(kwargs: dict[str, Any], label: str) -> dict[str, Any]:
-    """The region's compile kwargs with its backend failing open, graph by graph (``GraphGuard``)."""
+    Where the backend cannot be rebuilt (AOTInductor options) the region compiles
+    as asked, without fail-open or observers; pieces cannot do without it: raised.
+    """
     try:
-        return _compat.wrap_backend(kwargs, lambda inner: GraphGuard(inner, label))
-    except _compat.UnsupportedTorch as exc:  # AOTInductor options: compiled as asked, unguarded
-        logger.debug("region %s: backend not guarded (%s)", label, exc)
-        return kwargs
+        region_kw = region_kwargs(kwargs, label, pieces_fn)
+    except _compat.UnsupportedTorch as exc:
+        if pieces_fn is not None:
+            raise
+        logger.debug("region %s: compiled as asked, its graphs not guarded (%s)", label, exc)
+        return kwargs, None
+    return region_kw, region_kw["backend"]
 
 
 # Every region runs on a code object of its own (``_codegen.on_own_code``):
@@ -216,59 +217,60 @@ def _region_forward(
     decision: Any,
     compile_fn: Callable[..., Any],
     kwargs: dict[str, Any],
-    instrument: Instrument,
     pieces: list[CheckpointPieces] | None = None,
 ) -> tuple[Callable[..., Any], str]:
     """The compiled forward to install on ``module``, and its region label.
 
-    A region compiled as pieces appends its ``CheckpointPieces`` backend to ``pieces``.
+    A region compiled as pieces appends its ``CheckpointPieces`` to ``pieces``.
     """
     checkpoint_fn = None if decision.checkpoint is None else decision.checkpoint.checkpoint_fn
-    # The key of the region as asked, before a pieces backend wraps the compile's: a
-    # backend object per block in the key would keep identical blocks apart (12
-    # regions for 6 blocks, each compiled on its own), while the pieces' checkpoint
-    # is already in the key, by value (``_region_key``).
-    key = _region_key(module, decision, kwargs)
-    backend: CheckpointPieces | None = None
-    if decision.pieces and checkpoint_fn is not None:
-        # Not traced: each graph piece dynamo cuts the region into carries it (see ``pieces``).
-        backend_fn = checkpoint_fn
-        kwargs = _compat.wrap_backend(kwargs, lambda inner: CheckpointPieces(inner, backend_fn))
-        backend = kwargs["backend"]
+    # Pieces: not traced, the checkpoint is applied by the region's backend to each
+    # graph piece dynamo cuts the region into (see ``pieces``).
+    pieces_fn = checkpoint_fn if decision.pieces else None
+    if pieces_fn is not None:
         checkpoint_fn = None
+    key = _region_key(module, decision, kwargs)
     own = own_forward(module)
     if own is not None:
-        label = _label(decision.path, module)
-        _pieces_of_region(backend, label, pieces)
-        region = _private_region(own, checkpoint_fn, label)
-        return compile_fn(region, **_failing_open(instrument(kwargs, label), label)), label
-    _shared = run.shared_regions
-    if key not in _shared:
-        label = _label(decision.path, module)
-        _pieces_of_region(backend, label, None)
-        _shared[key] = (
-            compile_fn(
-                on_own_code(type(module).forward, label, through_wrappers=True)
-                if decision.splits and checkpoint_fn is None and _user_code(type(module).forward)
-                else _shared_region(type(module).forward, checkpoint_fn, label),
-                **_failing_open(instrument(kwargs, label), label),
-            ),
-            label,
-            backend,
+        # An instance-level forward: compiled code of its own. Its backend is still its
+        # kind's: the frames its forward breaks into (the user's shared function, the
+        # class's children) are cached per code object, and under a backend of each
+        # instance's own dynamo would recompile them per instance (BACKEND_MATCH) up to
+        # the recompile limit. Pieces measure what each region holds: one of its own.
+        if pieces_fn is None:
+            label, region_kw, backend = _kind_backend(key, decision, module, kwargs)
+        else:
+            label = _label(decision.path, module)
+            region_kw, backend = _backend_kwargs(kwargs, label, pieces_fn)
+        _pieces_of_region(backend, pieces)
+        return compile_fn(_private_region(own, checkpoint_fn, label), **region_kw), label
+    # One compiled region, and one backend, per kind: identical blocks share both.
+    label, region_kw, backend = _kind_backend(key, decision, module, kwargs, pieces_fn)
+    if key not in run.shared_regions:
+        run.shared_regions[key] = compile_fn(
+            on_own_code(type(module).forward, label, through_wrappers=True)
+            if decision.splits and checkpoint_fn is None and _user_code(type(module).forward)
+            else _shared_region(type(module).forward, checkpoint_fn, label),
+            **region_kw,
         )
-    compiled, label, shared_backend = _shared[key]
     # Every block of the kind measures through the one backend its graphs were cut by.
-    _pieces_of_region(shared_backend, label, pieces)
-    return functools.partial(compiled, module), label
+    _pieces_of_region(backend, pieces)
+    return functools.partial(run.shared_regions[key], module), label
 
 
-def _pieces_of_region(
-    backend: CheckpointPieces | None, label: str, pieces: list[CheckpointPieces] | None
-) -> None:
-    if backend is not None:
-        backend.label = label
-        if pieces is not None:
-            pieces.append(backend)
+def _kind_backend(
+    key: tuple, decision: Any, module: nn.Module, kwargs: dict[str, Any], pieces_fn: Any = None
+) -> tuple[str, dict[str, Any], RegionBackend | None]:
+    """The label, compile kwargs and ``RegionBackend`` of the kind of region ``key``: built once."""
+    if key not in run.region_backends:
+        label = _label(decision.path, module)
+        run.region_backends[key] = (label, *_backend_kwargs(kwargs, label, pieces_fn))
+    return run.region_backends[key]
+
+
+def _pieces_of_region(backend: RegionBackend | None, pieces: list[CheckpointPieces] | None) -> None:
+    if backend is not None and backend.pieces is not None and pieces is not None:
+        pieces.append(backend.pieces)
 
 
 def _policy_bytes(pieces: list[CheckpointPieces]) -> int | None:
@@ -313,13 +315,11 @@ def apply_plan(
     plan: Plan,
     compile_fn: Callable[..., Any],
     compile_kwargs: dict[str, Any],
-    *,
-    instrument: Instrument = _as_asked,
 ) -> Applied:
     """Install the plan's regions under ``root`` (the unwrapped compile target).
 
-    ``compile_fn`` compiles a function (``torch.compile``); ``instrument`` may
-    rewrite each region's compile kwargs (the report counts through it).
+    ``compile_fn`` compiles a function (``torch.compile``), each region through
+    its ``RegionBackend`` (whose observers the report subscribes to).
     """
     applied = Applied()
     # The pieces backends of the regions under each AC moved into them (by the spec's id).
@@ -335,7 +335,7 @@ def apply_plan(
                 # A region that splits is checked at its first call instead (see runtime).
                 kwargs["fullgraph"] = bool(kwargs.get("fullgraph")) and not decision.splits
                 below = pieces.setdefault(id(decision.checkpoint), []) if decision.pieces else None
-                forward, label = _region_forward(module, decision, compile_fn, kwargs, instrument, below)
+                forward, label = _region_forward(module, decision, compile_fn, kwargs, below)
                 applied.regions[decision.path] = label
             elif decision.action is Action.PIECES and plan.strategy == "auto" and verdict_of(module) is None:
                 # auto chose pieces for this selective AC: whether they hold more than

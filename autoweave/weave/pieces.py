@@ -3,8 +3,8 @@
 A checkpoint that dynamo traces cannot hold a graph break: the whole region
 would run eager. A region compiled *without* a checkpoint may break: dynamo
 splits its forward at each break and hands every graph between two breaks to
-the backend. ``CheckpointPieces`` is that backend: it wraps each graph in
-torch's own checkpoint operator (``tag_activation_checkpoint``, what dynamo
+the backend. The region's backend (``region_backend``) has ``CheckpointPieces``
+compile each of them: it wraps the graph in torch's own checkpoint operator (``tag_activation_checkpoint``, what dynamo
 emits for a traced ``checkpoint(...)``) with the user's ``context_fn`` and
 options, then compiles it with the user's backend. So every op of the region
 (the block's glue between its children and an FSDP unit included) is compiled
@@ -15,7 +15,7 @@ What it costs: a piece's inputs are kept for its backward (the whole block
 kept only its input), so activation memory grows by the tensors that cross a
 break. ``memory`` measures it at a block's first call against what eager
 selective AC would keep (its input, and the outputs the policy saves: this
-backend tells it, having watched the policy while the pieces were traced);
+helper tells it, having watched the policy while the pieces were traced);
 ``benchmarks/sac_memory.py`` measures both on whole models.
 
 A piece that changes in place an input backward needs is compiled without the
@@ -162,24 +162,22 @@ def _fresh_bytes(op: Any, output: Any) -> int | None:
 
 
 class CheckpointPieces:
-    """A dynamo backend: each graph piece compiled as ``checkpoint(piece, context_fn=..., ...)``.
+    """The pieces of one kind of region: each graph compiled as ``checkpoint(piece, context_fn=..., ...)``.
 
-    One object per (inner backend, checkpoint): dynamo guards on the backend's
-    identity, so identical blocks must share it to share their graphs.
+    Held by the region's backend (``region_backend.RegionBackend``), one per
+    region key, so identical blocks share it with their graphs.
 
     While the pieces are traced it also learns, for ``memory``, what eager
     selective AC would keep of them: the bytes of the outputs the user's policy
     saves (``policy_saved_bytes``; None when that cannot be told).
     """
 
-    def __init__(self, inner: Callable[..., Any], checkpoint_fn: Any, label: str = "") -> None:
-        self.inner = inner
+    def __init__(self, checkpoint_fn: Any, label: str) -> None:
         keywords = dict(getattr(checkpoint_fn, "keywords", {}) or {})
         self.context_fn = keywords.pop("context_fn", None)
         if getattr(self.context_fn, "__name__", "") == "noop_context_fn":
             self.context_fn = None  # full AC: the operator's own always-recompute policy
         self.options = {k: v for k, v in keywords.items() if k in _OPTIONS}
-        self.__name__ = f"checkpoint_pieces({getattr(inner, '__name__', 'backend')})"
         self.label = label  # the region's label: notes about its pieces are kept under it
         # Per checkpointed graph, the bytes its policy saved in its latest trace
         # (AOTAutograd may trace a graph more than once); None: cannot be told.
@@ -188,13 +186,14 @@ class CheckpointPieces:
         self._raised: list[BaseException] = []  # raised by the user's context_fn or policy while tracing
         self.failed_pieces: list[str] = []  # why each piece autoweave could not compile runs eager
 
-    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+    def compile(self, gm: Any, example_inputs: Any, inner: Callable[..., Any]) -> Any:
+        """``gm`` compiled by ``inner`` under the checkpoint operator (or, where that would be wrong, without)."""
         if not _has_ops(gm):
-            return self.inner(gm, example_inputs)  # nothing to checkpoint
+            return inner(gm, example_inputs)  # nothing to checkpoint
         self._graphs += 1
         if not _returns_only_tensors(gm):
             logger.info("a piece of a woven region returns non-tensors: compiled without its checkpoint")
-            return self.inner(gm, example_inputs)
+            return inner(gm, example_inputs)
         changed = changed_inputs_backward_needs(gm, example_inputs)
         if changed is None or changed:
             # Its recompute would start from inputs it destroyed: compiled without
@@ -208,10 +207,10 @@ class CheckpointPieces:
             self.note(
                 f"piece {self._graphs} compiled without its checkpoint: {why}; its activations are kept"
             )
-            return self.inner(gm, example_inputs)
+            return inner(gm, example_inputs)
         del self._raised[:]
         try:
-            return self.inner(self.wrap(gm), example_inputs)
+            return inner(self.wrap(gm), example_inputs)
         except Exception as exc:
             if self._users(exc):
                 # The user's policy (or context_fn) raised: not autoweave's to report.
@@ -248,7 +247,7 @@ class CheckpointPieces:
 
     @property
     def traced(self) -> bool:
-        """Has dynamo handed this backend a graph with ops yet?"""
+        """Has dynamo handed this region a graph with ops yet?"""
         return self._graphs > 0
 
     def note(self, text: str) -> None:
@@ -346,8 +345,3 @@ class CheckpointPieces:
             outputs.append(item)
         graph.output(tuple(outputs) if isinstance(results, (tuple, list)) else outputs[0])
         return fx.GraphModule(root, graph)
-
-    def reset(self) -> None:
-        reset = getattr(self.inner, "reset", None)
-        if reset is not None:
-            reset()

@@ -214,10 +214,10 @@ def test_fullgraph_still_raises_on_a_break_that_is_not_a_boundary(ac):
 
 
 def _checkpointed_graphs(fn, *args) -> list[bool]:
-    """Compile ``fn`` through ``CheckpointPieces``: for each piece, did it reach the backend wrapped?"""
+    """Compile ``fn`` through a pieces ``RegionBackend``: for each piece, did it reach the backend wrapped?"""
     from torch.utils.checkpoint import checkpoint
 
-    from autoweave.weave.pieces import CheckpointPieces
+    from autoweave.weave.region_backend import RegionBackend
 
     wrapped = []
 
@@ -225,8 +225,8 @@ def _checkpointed_graphs(fn, *args) -> list[bool]:
         wrapped.append(any("tag_activation_checkpoint" in str(n.target) for n in gm.graph.nodes))
         return gm.forward
 
-    pieces = CheckpointPieces(inner, functools.partial(checkpoint, use_reentrant=False))
-    torch.compile(fn, backend=pieces)(*args)
+    backend = RegionBackend(inner, "region", functools.partial(checkpoint, use_reentrant=False))
+    torch.compile(fn, backend=backend)(*args)
     return wrapped
 
 

@@ -96,3 +96,43 @@ def test_closures_over_per_block_state_are_not_shared() -> None:
     deep = _compiled_closures(6, own_state=True)
     # Each block its own regions (the block's and its experts'), compiled on their own.
     assert deep[0] > shallow[0] and deep[1] > shallow[1], (shallow, deep)
+
+
+class _Leaf(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class _OwnForward(torch.nn.Module):
+    """A block whose forward is set on the instance (as hooks and adapters do): one function for all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.leaf, self.b = torch.nn.Linear(8, 8), _Leaf(), torch.nn.Linear(8, 8)
+        self.forward = functools.partial(_OwnForward.body, self)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.leaf(self.a(x))))
+
+
+def test_blocks_with_an_instance_forward_share_the_graphs_past_their_break() -> None:
+    # Each block's region is compiled on its own code, but the frame after the break
+    # (``body``'s resume) is one code object for all: with a backend per block dynamo
+    # recompiled it per block (BACKEND_MATCH) until the recompile limit.
+    from tests.models import RecompileLimitHits, recompiles
+
+    torch._dynamo.reset()
+    model = Stack([cw.checkpoint_wrapper(_OwnForward()) for _ in range(10)], dim=8)
+    cap = counting.Capture()
+    compiled = torch.compile(model, backend=cap.backend())
+    with RecompileLimitHits() as hits, recompiles() as again:
+        for _ in range(2):
+            compiled(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert dispatchers.dispatcher_of(compiled).plan.woven
+    assert (hits.messages, len(again)) == ([], 0)
+    assert cap.graph_count <= 4, cap.graph_count

@@ -1,12 +1,13 @@
-"""Backends autoweave wraps (the report's counting, the fail-open guard) look like the backend they wrap."""
+"""Backends autoweave hands dynamo (a woven region's, the report's counting of a plain compile) look like
+the backend they hold: its name and its set-up hook."""
 
 from __future__ import annotations
 
 import pytest
 
 from autoweave import _compat
-from autoweave._failopen import GraphGuard
 from autoweave.observe import report
+from autoweave.weave.region_backend import RegionBackend
 
 
 def _backend(gm, example_inputs):  # pragma: no cover - never compiled here
@@ -23,15 +24,26 @@ _backend._dynamo_backend_init = _init  # torch 2.15+: dynamo runs it at torch.co
 @pytest.mark.parametrize(
     "wrap",
     [
-        lambda inner: GraphGuard(inner, "region"),
-        lambda inner: report._Counting(report._Stats(None), report.RegionStats("region", "woven"), inner),
+        lambda inner: RegionBackend(inner, "region"),
+        lambda inner: report._CountingPlain(report._Stats(None), "region", inner),
     ],
-    ids=["graph-guard", "report-counting"],
+    ids=["region-backend", "report-counting-plain"],
 )
-def test_a_wrapped_backend_keeps_its_name_equality_and_set_up_hook(wrap) -> None:
-    wrapped, again = wrap(_backend), wrap(_backend)
-    assert isinstance(wrapped, _compat.BackendWrapper)
-    assert wrapped == again and hash(wrapped) == hash(again)  # dynamo matches cached graphs with ==
+def test_a_wrapped_backend_keeps_its_name_and_set_up_hook(wrap) -> None:
+    wrapped = wrap(_backend)
     assert wrapped.__name__ == "_backend"
     assert wrapped._dynamo_backend_init is _init
     assert wrap(lambda gm, inputs: gm)._dynamo_backend_init is None
+
+
+def test_plain_counting_wrappers_compare_equal_when_their_backends_do() -> None:
+    # Per-layer plain compiles of one block share their graphs with the report on (dynamo matches ==).
+    stats = report._Stats(None)
+    wrapped, again = report._CountingPlain(stats, "a", _backend), report._CountingPlain(stats, "b", _backend)
+    assert isinstance(wrapped, _compat.BackendWrapper)
+    assert wrapped == again and hash(wrapped) == hash(again)
+
+
+def test_a_region_backend_is_its_own_identity() -> None:
+    # Identical blocks share one backend object by construction (one per region key), not by ==.
+    assert RegionBackend(_backend, "a") != RegionBackend(_backend, "a")

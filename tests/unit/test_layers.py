@@ -65,6 +65,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.weave",
         "autoweave.weave.code_copy",
         "autoweave.weave.pieces",
+        "autoweave.weave.region_backend",
         "autoweave.weave.decorated_checkpoints",
         "autoweave.weave.first_call_memory",
         "autoweave.weave.apply",

@@ -1,0 +1,167 @@
+"""The one backend a woven region hands dynamo: compile, fail open per graph, pieces, observers.
+
+dynamo calls a region's backend once per graph it traces (a region that breaks
+is several graphs). ``RegionBackend`` is that backend, alone between torch's own
+``_TorchCompileWrapper`` (which ``torch.compile`` puts around any backend) and
+the callable torch would have built from the user's ``backend``/``mode``/
+``options``. It owns every reason autoweave has to touch a graph:
+
+- compiling it with the user's backend;
+- failing open, graph by graph: a graph the backend fails on runs eager, in the
+  same call, the rest stays compiled (torch's ``suppress_errors`` would run the
+  whole frame eager instead);
+- pieces, when the region's checkpoint moved into it: each graph wrapped in
+  torch's checkpoint operator (``pieces.CheckpointPieces``, the helper that
+  knows how);
+- telling its observers about each graph (the report subscribes, see
+  ``observe_graphs``): observing hands dynamo the very same backend, so a run
+  with the report on compiles exactly what a run without it does.
+
+Identity is the object's own: ``apply`` builds one backend per region key, so
+identical blocks share it by construction, and dynamo (which matches a
+frame's cached graphs to the current backend with ``==``) shares their graphs.
+(The one exception: a region of an instance-level forward under pieces has one
+of its own, since its pieces measure what that region holds.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from autoweave import _compat
+from autoweave._failopen import RAN_EAGER, first_line, runs_eager, swallowed
+from autoweave._log import logger
+from autoweave.weave.pieces import CheckpointPieces
+
+
+def ops_in(gm: Any) -> int:
+    """The ops of a graph dynamo traced (``call_function`` nodes), its sub-graphs' included.
+
+    Higher-order ops (the checkpoint of a traced AC region) keep their bodies in
+    sub-GraphModules.
+    """
+    return sum(
+        1
+        for module in gm.modules()
+        if hasattr(module, "graph")
+        for node in module.graph.nodes
+        if node.op == "call_function"
+    )
+
+
+def graph_name(gm: Any) -> str:
+    return gm._get_name() if hasattr(gm, "_get_name") else "graph"
+
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    """What a region's backend did with one graph dynamo handed it (what observers are told)."""
+
+    label: str  # the region's label (shared by identical blocks)
+    name: str  # the graph module's name
+    ops: int  # its ops as dynamo traced them (``ops_in``), before pieces or the backend touched it
+    eager: str | None  # why it runs eager instead of compiled; None: compiled
+    seconds: float  # time spent in the backend on it
+
+
+GraphObserver = Callable[[CompiledGraph], None]
+
+# Subscribed by whoever watches compiles (the report, while it collects); every
+# region backend tells each of them, whenever it was built. The subscriber owns
+# the subscription and takes it off (``autoweave._installs``).
+_observers: list[GraphObserver] = []
+
+
+def observe_graphs(observer: GraphObserver) -> Callable[[], None]:
+    """Have ``observer`` told about every graph a woven region compiles; returns its undo."""
+    if observer not in _observers:
+        _observers.append(observer)
+
+    def undo() -> None:
+        if observer in _observers:
+            _observers.remove(observer)
+
+    return undo
+
+
+class RegionBackend:
+    """The backend of one kind of woven region (see the module docstring)."""
+
+    def __init__(self, inner: Callable[..., Any], label: str, checkpoint_fn: Any = None) -> None:
+        self.inner = inner
+        self.label = label
+        # The region's checkpoint, applied to each graph piece; None: graphs compiled as they are.
+        self.pieces = None if checkpoint_fn is None else CheckpointPieces(checkpoint_fn, label)
+        # torch.compile names its wrapper after this (``compiler_name``), and dynamo
+        # treats a registered name as a built-in backend: keep the inner one's.
+        self.__name__ = str(getattr(inner, "compiler_name", None) or getattr(inner, "__name__", "backend"))
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        if not _observers:
+            return self._compile(gm, example_inputs)
+        ops = ops_in(gm)  # before the backend, which may rewrite the graph
+        start = time.perf_counter()
+        compiled = self._compile(gm, example_inputs)
+        seconds = time.perf_counter() - start
+        self._tell(
+            CompiledGraph(self.label, graph_name(gm), ops, getattr(compiled, RAN_EAGER, None), seconds)
+        )
+        return compiled
+
+    def _compile(self, gm: Any, example_inputs: Any) -> Any:
+        try:
+            if self.pieces is not None:
+                return self.pieces.compile(gm, example_inputs, self.inner)
+            return self.inner(gm, example_inputs)
+        except _compat.backend_errors_dynamo_handles():
+            raise  # a restart, a skip, a graph break, a dim error of the user's: dynamo's to act on
+        except Exception as exc:
+            why = first_line(exc)
+            swallowed(
+                "graph-eager",
+                f"graph:{why}",
+                f"the backend {self.__name__!r} failed on a graph of the woven region {self.label} ({why}); "
+                "that graph runs eager, the rest stays compiled",
+                exc,
+            )
+            forward = gm.forward
+
+            def eager(*args: Any) -> Any:
+                return forward(*args)
+
+            return runs_eager(eager, f"the backend failed on it ({why})")
+
+    def _tell(self, graph: CompiledGraph) -> None:
+        for observer in list(_observers):
+            try:
+                observer(graph)
+            except Exception as exc:  # an observer must never fail a compile
+                logger.debug("a graph observer failed on %s", self.label, exc_info=exc)
+
+    def reset(self) -> None:
+        # dynamo resets every backend it cached (``torch._dynamo.reset()``).
+        reset = getattr(self.inner, "reset", None)
+        if reset is not None:
+            reset()
+
+    @property
+    def _dynamo_backend_init(self) -> Any:
+        # torch 2.15+: a backend's no-argument set-up hook, which dynamo reads off the
+        # backend at torch.compile() (``getattr(backend, "_dynamo_backend_init", None)``);
+        # torch's own wrapper forwards it the same way. Hidden, the user's backend
+        # would skip its set-up whenever autoweave weaves it.
+        return getattr(self.inner, "_dynamo_backend_init", None)
+
+
+def region_kwargs(kwargs: dict[str, Any], label: str, checkpoint_fn: Any = None) -> dict[str, Any]:
+    """``torch.compile`` kwargs that compile as ``kwargs`` asks, through a new ``RegionBackend``.
+
+    ``backend``, ``mode`` and ``options`` become the one callable torch would
+    build from them, held by the region's backend (``_compat.wrap_backend``).
+    Raises ``_compat.UnsupportedTorch`` where that callable cannot be rebuilt
+    (AOTInductor options).
+    """
+    return _compat.wrap_backend(kwargs, lambda inner: RegionBackend(inner, label, checkpoint_fn))
