@@ -437,7 +437,7 @@ class _Dispatcher:
             if not plan.woven:
                 # The checkpoint is in code autoweave could not read (the target's
                 # own forward): weave its children one by one, around that code.
-                learned.update(mode="always", strategy="siblings")
+                learned.update(mode="always", children_one_by_one=True)
                 plan = self._plan(**learned)
             self._learned = learned
             logger.info(

@@ -1,6 +1,6 @@
 """Can a checkpoint that dynamo traces take a wrapper's ``context_fn``?
 
-``pieces`` and ``push-down`` put the user's checkpoint inside compiled graphs,
+``pieces`` puts the user's checkpoint inside compiled graphs,
 where torch's checkpoint demands that ``context_fn`` return two
 ``TorchDispatchMode`` objects ("In torch.compile mode, `context_fn` ... must
 generate a tuple of two `TorchDispatchMode`s", torch/utils/checkpoint.py).
@@ -80,15 +80,15 @@ def _probe(context_fn: Any) -> str | None:
 
 
 # The strategies that would trace the user's checkpoint inside compiled graphs.
-TRACING_STRATEGIES = ("auto", "pieces", "push-down")
+TRACING_STRATEGIES = ("auto", "pieces")
 
 
 def known(target: Any, outer: Any = None, *, strategy: str = "auto", mode: str = "auto") -> dict[int, str]:
     """Checkpoint wrappers under ``target`` (and ``outer``) whose ``context_fn`` cannot be traced.
 
-    Keyed by ``id`` of the wrapper's ``checkpoint_fn`` (what ``planner.CheckpointSpec``
+    Keyed by ``id`` of the wrapper's ``checkpoint_fn`` (what ``plans.CheckpointSpec``
     carries), with why: for ``planner.plan``'s ``untraceable``. Nothing is probed
-    where the plan would not trace a checkpoint (blocks under ``hoist`` or ``siblings``,
+    where the plan would not trace a checkpoint (blocks under ``hoist``,
     anything under ``mode=off``).
     """
     found: dict[int, str] = {}

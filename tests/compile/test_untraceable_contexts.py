@@ -20,7 +20,7 @@ from autoweave._state import run
 from autoweave.dispatch import dispatchers
 from autoweave.observe import counting
 from autoweave.planning import traced_contexts
-from autoweave.planning.planner import Action
+from autoweave.planning.plans import Action
 from benchmarks.measure import forward_gemms_outside_graphs
 from tests import break_models as bm
 
@@ -106,7 +106,7 @@ def test_explain_and_plan_say_hoist_for_a_wrapped_context_fn():
     assert plan.decision("").action is Action.HOIST
     # A strategy that never traces the checkpoint does not call the user's context_fn.
     bm.wrapped_context_fn.calls = 0
-    assert traced_contexts.known(block, strategy="siblings") == {}
+    assert traced_contexts.known(block, strategy="hoist") == {}
     assert bm.wrapped_context_fn.calls == 0
 
 

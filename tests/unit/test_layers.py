@@ -34,7 +34,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave._failopen",
     ),
     # plan/: the decision. Reading the tree and the user's code (changes, source places,
-    # checkpoints in code, boundaries, learned breaks, what pieces hold), then the planner.
+    # checkpoints in code, boundaries, learned breaks, what pieces hold), then the plan's data types,
+    # the tree read for one pass, the strategies and the planner's walk.
     (
         "autoweave.planning",
         "autoweave.planning.tree_changes",
@@ -44,6 +45,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.planning.learned_breaks",
         "autoweave.planning.memory",
         "autoweave.planning.traced_contexts",
+        "autoweave.planning.plans",
+        "autoweave.planning.tree",
+        "autoweave.planning.strategies",
         "autoweave.planning.planner",
     ),
     # weave/: the side effects, the only code that changes modules.
