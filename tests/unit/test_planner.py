@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autoweave.planning import boundaries, planner
+from autoweave.planning import boundaries, planner, strategies
 from autoweave.planning.plans import Action
 
 
@@ -391,3 +391,62 @@ def test_planning_reads_the_users_forward_under_autoweaves_installs():
     assert planner.calls_checkpoint(block)
     assert boundaries.user_forward(block).__func__ is CkptBlock.forward
     assert boundaries.own_forward(block) is None
+
+
+_FULL = planner.CheckpointSpec(selective=False, reentrant=False, options=())
+_SELECTIVE = planner.CheckpointSpec(selective=True, reentrant=False, options=())
+_CUSTOM = planner.CheckpointSpec(selective=False, reentrant=False, options=(), known=False)
+_REENTRANT_SAC = planner.CheckpointSpec(selective=True, reentrant=True, options=())
+
+
+@pytest.mark.parametrize(
+    "spec, asked, context, expected, why",
+    [
+        (_FULL, "auto", {}, "hoist", ""),
+        (_FULL, "pieces", {}, "pieces", ""),
+        (_SELECTIVE, "auto", {}, "pieces", ""),
+        (_SELECTIVE, "hoist", {}, "hoist", ""),
+        (_SELECTIVE, "auto", {"measured": "0.6 MB"}, "hoist", "measured: 0.6 MB"),
+        (_SELECTIVE, "pieces", {"measured": "0.6 MB"}, "pieces", ""),  # what was asked is kept
+        (_SELECTIVE, "pieces", {"untraceable": "not two modes"}, "hoist", "not two modes"),
+        (_CUSTOM, "auto", {}, "hoist", "custom checkpoint_fn"),
+        (_CUSTOM, "pieces", {}, "hoist", "custom checkpoint_fn"),
+        (_REENTRANT_SAC, "auto", {}, "children-one-by-one", "reentrant"),
+        (_REENTRANT_SAC, "hoist", {}, "hoist", ""),
+        (_FULL, "hoist", {"nested": True}, "children-one-by-one", "nested"),
+        (_SELECTIVE, "pieces", {"children_one_by_one": True}, "children-one-by-one", "re-planned"),
+    ],
+)
+def test_the_resolver_picks_one_strategy_with_its_reason(spec, asked, context, expected, why):
+    context = dict(context)
+    untraceable = context.pop("untraceable", None)
+    resolved = strategies.resolve(spec, asked=asked, untraceable=lambda: untraceable, **context)
+    assert resolved.strategy.name == expected
+    assert (why in resolved.why) if why else resolved.why == ""
+
+
+def test_the_resolver_asks_about_the_context_fn_only_where_it_matters():
+    asked = []
+
+    def untraceable():
+        asked.append(1)
+
+    for spec, strategy in ((_FULL, "auto"), (_SELECTIVE, "hoist"), (_CUSTOM, "pieces")):
+        strategies.resolve(spec, asked=strategy, untraceable=untraceable)
+    assert asked == []  # a probe calls the user's context_fn: not for a strategy that never traces it
+    strategies.resolve(_SELECTIVE, asked="auto", untraceable=untraceable)
+    assert asked == [1]
+
+
+@pytest.mark.parametrize(
+    "spec, asked, expected",
+    [
+        (_SELECTIVE, "auto", "pieces"),
+        (_SELECTIVE, "hoist", "pieces"),  # an eager policy would see inductor's kernels
+        (_FULL, "auto", "hoist"),  # stays outside, as plain torch runs it
+        (_FULL, "pieces", "pieces"),
+        (_CUSTOM, "pieces", "hoist"),  # its checkpoint_fn is called as written, outside
+    ],
+)
+def test_an_ac_outside_the_compile_moves_in_or_stays_outside(spec, asked, expected):
+    assert strategies.resolve_outer(spec, asked=asked).strategy.name == expected
