@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch.nn as nn
 
     from autoweave._failopen import AutoweaveError
-    from autoweave.planning.planner import Plan
+    from autoweave.planning.plans import Plan
 
 from autoweave._version import __version__
 

@@ -31,7 +31,7 @@ VARIABLES: dict[str, str] = {
     AUTOWEAVE_LOG_LEVEL: "level of the 'autoweave' logger",
     AUTOWEAVE_STRICT: "raise on internal failures instead of falling back",
     AUTOWEAVE_MODE: "when to weave: auto, always or off",
-    AUTOWEAVE_STRATEGY: "how to place AC in a woven block: auto, hoist, pieces, push-down, siblings",
+    AUTOWEAVE_STRATEGY: "how to place AC in a woven block: auto, hoist, pieces",
     AUTOWEAVE_REPORT: "write a JSON report of the plan and what compiled to this path at exit",
     AUTOWEAVE_UNTESTED_TORCH: "on a torch newer than tested: check (on if all it needs is there) or off",
 }
@@ -41,7 +41,7 @@ FALSE_VALUES = ("", "0", "false", "no", "off")
 PATCH_NAMES = ("compile", "module_compile", "checkpoint_wrapper")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MODES = ("auto", "always", "off")
-STRATEGIES = ("auto", "hoist", "pieces", "push-down", "siblings")
+STRATEGIES = ("auto", "hoist", "pieces")
 UNTESTED_TORCH = ("check", "off")
 
 

@@ -84,15 +84,13 @@ LABELS = {
     "nofsdp_autoweave": "control without FSDP: the same with autoweave",
     "autoweave:hoist": "autoweave, strategy hoist (eager AC around a split compile)",
     "autoweave:pieces": "autoweave, strategy pieces (each compiled piece checkpointed)",
-    "autoweave:push-down": "autoweave, strategy push-down (AC inside each compiled region)",
-    "autoweave:siblings": "autoweave, strategy siblings (eager AC around compiled children)",
 }
 # Run order: the important variants first, both AC modes, then the rest (a spent budget skips the tail).
 TIERS = (
     ("eager", "compile_ac", "hand_weave", "autoweave", "upper_bound"),
     ("ac_compile",),
     ("nofsdp_compile_ac", "nofsdp_autoweave"),
-    ("autoweave:hoist", "autoweave:pieces", "autoweave:push-down", "autoweave:siblings"),
+    ("autoweave:hoist", "autoweave:pieces"),
 )
 HAND = ("hand_weave", "ac_compile")
 WOVEN = tuple(name for name in LABELS if "autoweave" in name)

@@ -4,7 +4,7 @@ train a few steps, and measure what compiled. One torchrun worker for the tests 
     python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/moe_variants.py \\
         --variants compile_ac:on,compile_ac:off --steps 3 --out results.json
 
-A variant is ``ORDER:AUTOWEAVE[:STRATEGY]`` (``on``/``off``; ``hoist``, ``push-down``, ``siblings``);
+A variant is ``ORDER:AUTOWEAVE[:STRATEGY]`` (``on``/``off``; ``hoist``, ``pieces``);
 ``--ac`` picks full or selective AC.
 Rank 0 writes one JSON record per variant. ``--warmup`` compiles a throw-away function
 first, so the first compiled variant does not pay the process's one-time compiler start-up.
@@ -126,7 +126,7 @@ class EinsumMoE(tm.MoE):
     """A different block layout: the combine is an einsum (a ``bmm``) in the MoE's own forward.
 
     That GEMM is the block's glue, run between the router and the experts' FSDP unit and after
-    it: what ``push-down`` leaves eager and ``pieces`` compiles under the checkpoint.
+    it: what ``pieces`` compiles under the checkpoint.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

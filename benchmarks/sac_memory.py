@@ -52,8 +52,6 @@ STRATEGIES = (
     ("auto", "autoweave default"),
     ("hoist", "autoweave, hoist"),
     ("pieces", "autoweave, pieces"),
-    ("push-down", "autoweave, push-down"),
-    ("siblings", "autoweave, siblings"),
 )
 
 

@@ -58,8 +58,6 @@ VARIANTS: tuple[tuple[str, str], ...] = (
 STRATEGY_VARIANTS: tuple[tuple[str, str], ...] = (
     ("compile_ac:on:hoist", "autoweave, hoist (eager AC around a split compile)"),
     ("compile_ac:on:pieces", "autoweave, pieces (each compiled piece checkpointed)"),
-    ("compile_ac:on:push-down", "autoweave, push-down (AC inside each compiled region)"),
-    ("compile_ac:on:siblings", "autoweave, siblings (eager AC around compiled children)"),
 )
 
 # --fullgraph: checkpoint_wrapper(block).compile(fullgraph=True), with and without autoweave.

@@ -21,7 +21,7 @@ COLUMNS = (
 )  # fmt: skip
 VARIANTS = (
     "eager", "compile_ac:off", "hand_siblings:off", "hand_ac_compile:off", "compile_ac:on", "upper_bound:off",
-    "compile_ac:on:hoist", "compile_ac:on:pieces", "compile_ac:on:push-down", "compile_ac:on:siblings",
+    "compile_ac:on:hoist", "compile_ac:on:pieces",
 )  # fmt: skip
 
 
@@ -72,7 +72,7 @@ def test_quick_benchmark_json(quick: tuple[subprocess.CompletedProcess, Path, Pa
     assert "aten.mm.default" in weave["policy_saved"] and weave["policy_out_ops"] == []
     for variant in ("hand_siblings:off", "hand_ac_compile:off", "upper_bound:off"):
         assert rows[variant]["fallbacks"] == 0, variant
-    for strategy in ("hoist", "pieces", "push-down", "siblings"):
+    for strategy in ("hoist", "pieces"):
         forced = rows[f"compile_ac:on:{strategy}"]
         assert forced["fallbacks"] == 0, strategy
         assert forced["eager_gemms"] < fallback["eager_gemms"], strategy

@@ -23,7 +23,7 @@ EXAMPLE = str(ROOT / "examples" / "train_moe.py")
 KNOWN_PLAN = """\
 autoweave plan: 4 compiled modules, 3 woven
   layers.0 (TransformerBlock): no boundary inside: compiled as plain torch.compile would
-  layers.1 (TransformerBlock): woven into 2 compiled regions (mode=auto, strategy=auto)
+  layers.1 (TransformerBlock): woven into 2 compiled regions (mode=auto, strategy=auto -> hoist)
     layers.1 [CheckpointWrapper] AC eager: full AC stays eager around a compile of the inner block
     layers.1 [TransformerBlock] compiled, split at boundaries: compiled under eager AC; dynamo splits it at the boundaries inside
         layers.1.moe.experts [GroupedExperts] boundary: FSDP unit (fully_shard, simulated) → hooks stay eager, forward compiled

@@ -62,7 +62,7 @@ def test_settings_report_variable() -> None:
 
 
 def test_every_action_has_a_verb_in_the_plan_log() -> None:
-    from autoweave.planning.planner import Action
+    from autoweave.planning.plans import Action
 
     assert set(summary._VERBS) == set(Action)
 

@@ -51,7 +51,7 @@ def untraceable(
 
     Keyed by ``id`` of the wrapper's ``checkpoint_fn`` (what ``planner.CheckpointSpec``
     carries), with why: ``Learned.untraceable``. Nothing is probed where the plan
-    would not trace a checkpoint (blocks under ``hoist`` or ``siblings``, anything
+    would not trace a checkpoint (blocks under ``hoist``, anything
     under ``mode=off``).
     """
     found: dict[int, str] = {}

@@ -461,7 +461,7 @@ class _Dispatcher:
             spec = planner.checkpoint_spec(target)
             if not located and spec is not None:
                 # No location from dynamo: the wrapped block breaks somewhere; hoist
-                # (or push-down) around it still compiles all but the break.
+                # around it still compiles all but the break.
                 located = {
                     id(_compat.checkpoint_wrapped(target)): "a graph break inside (dynamo gave no location)"
                 }
@@ -471,7 +471,7 @@ class _Dispatcher:
             if not plan.woven:
                 # The checkpoint is in code autoweave could not read (the target's
                 # own forward): weave its children one by one, around that code.
-                learned.update(mode="always", strategy="siblings")
+                learned.update(mode="always", children_one_by_one=True)
                 plan = self._plan(learned)
             self._learned = learned
             logger.info(

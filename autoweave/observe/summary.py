@@ -25,8 +25,8 @@ from autoweave._failopen import guard
 from autoweave._instances import dispatcher_of
 from autoweave._log import SUMMARY, logger, rank, world_size
 from autoweave._state import run
-from autoweave.planning import sources
-from autoweave.planning.planner import Action, Plan
+from autoweave.planning import sources, strategies
+from autoweave.planning.plans import Action, Plan
 
 _WRAPPER_SEGMENTS = re.compile(r"(^|\.)(" + "|".join(_compat.WRAPPED_CHILD_ATTRS) + r")(?=\.|$)")
 
@@ -36,11 +36,8 @@ _VERBS = {
     Action.SPLIT: "compiled, split at boundaries",
     Action.WEAVE: "woven",
     Action.BOUNDARY: "boundary",
-    Action.HOIST: "AC eager",
-    Action.SIBLINGS: "AC eager around children",
-    Action.PUSH_DOWN: "AC pushed down",
-    Action.PIECES: "AC in each compiled piece",
     Action.EAGER: "eager",
+    **strategies.VERBS,  # an AC wrapper's action, worded with its strategy
 }
 
 

@@ -1,6 +1,6 @@
 """Can a checkpoint that dynamo traces take a wrapper's ``context_fn``?
 
-``pieces`` and ``push-down`` put the user's checkpoint inside compiled graphs,
+``pieces`` puts the user's checkpoint inside compiled graphs,
 where torch's checkpoint demands that ``context_fn`` return two
 ``TorchDispatchMode`` objects ("In torch.compile mode, `context_fn` ... must
 generate a tuple of two `TorchDispatchMode`s", torch/utils/checkpoint.py).
@@ -26,7 +26,7 @@ from typing import Any
 from autoweave import _compat
 
 # The strategies that would trace the user's checkpoint inside compiled graphs.
-TRACING_STRATEGIES = ("auto", "pieces", "push-down")
+TRACING_STRATEGIES = ("auto", "pieces")
 
 
 def context_fn_of(module: Any) -> Any:

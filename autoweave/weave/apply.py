@@ -22,7 +22,7 @@ from autoweave._state import run
 from autoweave.planning import memory, sources
 from autoweave.planning.boundaries import own_forward, user_forward
 from autoweave.planning.learned import verdict_of
-from autoweave.planning.planner import Action, Plan
+from autoweave.planning.plans import Action, Plan
 from autoweave.weave.code_copy import on_own_code
 from autoweave.weave.first_call_memory import FirstCall
 from autoweave.weave.pieces import CheckpointPieces
@@ -337,17 +337,14 @@ def apply_plan(
                 below = pieces.setdefault(id(decision.checkpoint), []) if decision.pieces else None
                 forward, label = _region_forward(module, decision, compile_fn, kwargs, below)
                 applied.regions[decision.path] = label
-            elif decision.action is Action.PIECES and plan.strategy == "auto" and verdict_of(module) is None:
+            elif decision.action is Action.PIECES and plan.asked == "auto" and verdict_of(module) is None:
                 # auto chose pieces for this selective AC: whether they hold more than
                 # eager SAC would is measured at the first call (see ``memory``).
                 forward = _measuring_first_call(
                     applied, module, decision, pieces.setdefault(id(decision.ac), [])
                 )
-            elif decision.action in (Action.PUSH_DOWN, Action.PIECES):
+            elif decision.action is Action.PIECES:
                 forward = _without_checkpoint(module)
-            elif decision.action is Action.EAGER and decision.checkpoint is not None:
-                # Eager, under the user's checkpoint (the AC its wrapper applied, moved here).
-                forward = functools.partial(decision.checkpoint.checkpoint_fn, user_forward(module))
             if decision.opaque:
                 # Keep this checkpointed module out of the enclosing region's
                 # trace: dynamo breaks the graph here instead of giving up on

@@ -27,8 +27,6 @@ SETTINGS: dict[str, dict[str, str]] = {
     "autoweave": {"AUTOWEAVE": "1"},
     "hoist": {"AUTOWEAVE": "1", "AUTOWEAVE_STRATEGY": "hoist"},
     "pieces": {"AUTOWEAVE": "1", "AUTOWEAVE_STRATEGY": "pieces"},
-    "push-down": {"AUTOWEAVE": "1", "AUTOWEAVE_STRATEGY": "push-down"},
-    "siblings": {"AUTOWEAVE": "1", "AUTOWEAVE_STRATEGY": "siblings"},
 }
 
 # Lines every torchrun/gloo/CPU run prints whatever autoweave does: not "extra output".

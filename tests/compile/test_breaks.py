@@ -20,7 +20,7 @@ from autoweave.dispatch import dispatchers
 from autoweave.observe import counting
 from autoweave.planning import checkpoint_calls, planner
 from autoweave.planning.learned import hoist_reason
-from autoweave.planning.planner import Action
+from autoweave.planning.plans import Action
 from benchmarks.measure import forward_gemms_outside_graphs as _eager_gemms
 from tests import break_models as bm
 from tests.models import make_break
@@ -89,11 +89,12 @@ def test_any_break_under_ac_is_compiled_around(make, n_breaks, ac):
     assert got["fallbacks"][-2:] == [0, 0]
     _assert_numerics(got, ref)
     plan = dispatchers.dispatcher_of(model).plan
-    assert plan.woven and plan.strategy == "auto" and plan.mode == "auto"
+    assert plan.woven and plan.asked == "auto" and plan.mode == "auto"
     root = plan.decision("")
     # Selective AC: pieces, unless they were measured holding more than eager SAC (then hoist, saying so).
     measured = hoist_reason(model._orig_mod)
     assert root.action is (Action.HOIST if ac == "full" or measured else Action.PIECES)
+    assert plan.strategy == root.action.value  # the plan records what auto resolved to
     assert measured is None or f"measured: {measured}" in root.reason
     assert any("graph break in its forward at break_models.py:" in d.reason for d in plan.decisions)
     gemms = _eager_gemms(model, x)
@@ -126,26 +127,70 @@ def test_selective_ac_splits_at_the_break_and_checkpoints_each_piece():
         assert _eager_gemms(model, x) == 0
 
 
-def test_selective_ac_push_down_compiles_around_the_breaking_module_under_the_policy():
+def test_a_custom_checkpoint_fn_is_called_as_written_around_a_compile_that_splits():
+    # A checkpoint_fn of the user's own (not torch's checkpoint) cannot move into the
+    # compiled pieces: the wrapper stays eager and calls it once per forward, as written.
+    calls = []
+
+    def my_checkpoint(fn, *args, **kwargs):
+        calls.append(1)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
     torch.manual_seed(0)
-    model = torch.compile(
-        autoweave.set_mode(_ac(bm.BreakBlock(), "selective"), strategy="push-down"), backend=BACKEND
-    )
-    _train(model, torch.randn(6, bm.DIM), steps=2)
+    x = torch.randn(6, bm.DIM)
+    block = bm.BreakBlock()
+    ref = _train(cw.checkpoint_wrapper(copy.deepcopy(block), checkpoint_fn=my_checkpoint), x)
+    calls.clear()
+    for strategy in ("auto", "pieces"):
+        torch._dynamo.reset()
+        wrapped = cw.checkpoint_wrapper(copy.deepcopy(block), checkpoint_fn=my_checkpoint)
+        model = torch.compile(autoweave.set_mode(wrapped, strategy=strategy), backend=BACKEND)
+        got = _train(model, x)
+        assert got["fallbacks"][-2:] == [0, 0]
+        _assert_numerics(got, ref)
+        plan = dispatchers.dispatcher_of(model).plan
+        root = plan.decision("")
+        assert root.action is Action.HOIST and "custom checkpoint_fn" in root.reason, root.reason
+        assert (plan.asked, plan.strategy) == (strategy, "hoist")
+        assert len(calls) == 3  # once per forward: no region calls it again
+        # Every forward GEMM compiled (dynamo resumes after the break), as full AC's hoist does.
+        assert _eager_gemms(model, x) == 0
+        calls.clear()
+
+
+# A checkpoint autoweave cannot read from the code (looked up in a table).
+_HIDDEN = {"checkpoint": torch.utils.checkpoint.checkpoint}
+
+
+class _HiddenCheckpoint(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = bm.BreakBlock()
+        self.head = make_break(nn.Linear(bm.DIM, bm.DIM))  # a boundary: the first call is watched
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(_HIDDEN["checkpoint"](self.inner, x, use_reentrant=False))
+
+
+def test_a_checkpoint_autoweave_cannot_read_gets_its_children_compiled_one_by_one():
+    # Dynamo falls back in a checkpoint autoweave did not see; weaving around the located
+    # break would still trace that checkpoint, so the last resort compiles the children
+    # one by one under it (a plan the user cannot ask for: no strategy says so).
+    torch.manual_seed(0)
+    x = torch.randn(6, bm.DIM)
+    block = _HiddenCheckpoint()
+    assert not planner.traces_checkpoint(block)
+    ref = _train(copy.deepcopy(block), x)
+    model = torch.compile(block, backend=BACKEND)
+    got = _train(model, x)
+    assert got["fallbacks"] == [1, 0, 0]
+    _assert_numerics(got, ref)
     plan = dispatchers.dispatcher_of(model).plan
-    experts = plan.decision("_checkpoint_wrapped_module.experts")
-    # The experts break in their own forward: its children compile, each under the policy.
-    assert experts.action is Action.WEAVE and "break_models.py" in experts.reason
-    compiled = {d.path.rsplit(".", 1)[-1] for d in plan.regions()}
-    assert {"norm", "gate", "out", "up", "down"} <= compiled
-    assert all(d.checkpoint is not None and d.checkpoint.selective for d in plan.regions())
-    # A module with no children to compile runs eager under the pushed-down policy.
-    loop = torch.compile(
-        autoweave.set_mode(_ac(bm.LoopBlock(), "selective"), strategy="push-down"), backend=BACKEND
-    )
-    _train(loop, torch.randn(6, bm.DIM), steps=2)
-    experts = dispatchers.dispatcher_of(loop).plan.decision("_checkpoint_wrapped_module.experts")
-    assert experts.action is Action.EAGER and experts.checkpoint is not None and experts.checkpoint.selective
+    for path in ("", "inner"):
+        weave = plan.decision(path)
+        assert weave.action is Action.WEAVE and weave.reason.endswith("children compiled one by one")
+    assert not any(d.splits for d in plan.decisions if d.action is not Action.BOUNDARY)
+    assert _eager_gemms(model, x) == 0  # every GEMM in a compiled region, none under a fallback
 
 
 def test_a_break_the_user_disabled_stays_eager():
@@ -232,10 +277,11 @@ def test_whole_model_compile_is_woven_from_the_first_step(how, ac):
     assert got["fallbacks"] == [0, 0, 0]
     _assert_numerics(got, ref)
     plan = dispatchers.dispatcher_of(compiled).plan
-    assert plan.woven and plan.mode == "auto" and plan.strategy == "auto"
+    assert plan.woven and plan.mode == "auto" and plan.asked == "auto"
     layer = plan.decision("layers.0")
     measured = hoist_reason(model.layers[0])  # selective AC: pieces unless measured heavier
     assert layer.action is (Action.HOIST if ac == "full" or measured else Action.PIECES)
+    assert layer.action.value in plan.strategy.split("+")  # the plan records what auto resolved to
     # At least the capture of compiling each block (which leaves the head eager): the root's
     # forward loops over the blocks, so it is woven and its head is a region of its own.
     per_block = copy.deepcopy(model if how == "model.compile" else compiled._orig_mod)

@@ -2,8 +2,7 @@
 
 ``bm.GlueGemmBlock`` holds GEMMs in its own forward (an attention-like projection, the router, an
 einsum combine) around experts that break the graph as an FSDP unit does. Plain torch runs the
-checkpointed block eager; ``push-down`` compiles the children but leaves the glue eager and
-outside any checkpoint; ``pieces`` compiles the block split at the break and checkpoints each piece
+checkpointed block eager; ``pieces`` compiles the block split at the break and checkpoints each piece
 with the user's policy. Real FSDP2 runs are in ``tests/distributed/test_strategies.py``.
 """
 
@@ -24,7 +23,7 @@ import autoweave
 from autoweave import _state
 from autoweave.dispatch import dispatchers
 from autoweave.observe import counting, summary
-from autoweave.planning.planner import Action
+from autoweave.planning.plans import Action
 from benchmarks.measure import forward_gemms_outside_graphs as _gemms_outside_graphs
 from tests import break_models as bm
 
@@ -88,10 +87,6 @@ def test_pieces_compile_every_forward_gemm_glue_included(ac):
     assert plan.decision("").action is Action.PIECES
     assert plan.decision("_checkpoint_wrapped_module").pieces
 
-    # push-down leaves the glue eager: the einsum combine's bmm runs outside any graph.
-    push_down = _compiled(block, ac, "push-down")
-    _assert_same(_train(push_down, x), ref)
-    assert _gemms_outside_graphs(push_down, x) == 1
     # Under full AC, hoist reaches the same limit; pieces equals it under either mode.
     hoist = _compiled(block, ac, "hoist")
     _assert_same(_train(hoist, x), ref)

@@ -24,7 +24,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 import autoweave
 from autoweave.dispatch import dispatchers
 from autoweave.observe import counting, summary
-from autoweave.planning.planner import Action
+from autoweave.planning.plans import Action
 from benchmarks.measure import backward_gemms, forward_gemms_outside_graphs, heap_in_use
 from tests import break_models as bm
 

@@ -19,7 +19,7 @@ import autoweave
 from autoweave._state import run
 from autoweave.dispatch import context_probe, dispatchers
 from autoweave.observe import counting
-from autoweave.planning.planner import Action
+from autoweave.planning.plans import Action
 from benchmarks.measure import forward_gemms_outside_graphs
 from tests import break_models as bm
 
@@ -105,7 +105,7 @@ def test_explain_and_plan_say_hoist_for_a_wrapped_context_fn():
     assert plan.decision("").action is Action.HOIST
     # A strategy that never traces the checkpoint does not call the user's context_fn.
     bm.wrapped_context_fn.calls = 0
-    assert context_probe.untraceable(block, strategy="siblings") == {}
+    assert context_probe.untraceable(block, strategy="hoist") == {}
     assert bm.wrapped_context_fn.calls == 0
 
 

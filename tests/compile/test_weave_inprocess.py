@@ -13,7 +13,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 import autoweave
 from autoweave.dispatch import dispatchers
 from autoweave.observe import counting
-from autoweave.planning.planner import Action
+from autoweave.planning.plans import Action
 from benchmarks.measure import forward_gemms_outside_graphs
 from tests.models import Block, RecompileLimitHits, make_break, train_chain
 
@@ -94,24 +94,6 @@ def test_inplace_fullgraph_splits_only_at_the_boundary_instead_of_raising():
     assert reasons and all("disable" in reason for reason in reasons), dict(reasons)
 
 
-def test_inplace_fullgraph_with_siblings_compiles_each_region_instead_of_raising():
-    torch.manual_seed(0)
-    block, x = Block(), torch.randn(4, 8)
-    ref = _reference(block, x)
-    model = autoweave.set_mode(cw.checkpoint_wrapper(block), strategy="siblings")
-    cap = counting.Capture()
-    model.compile(backend=cap.backend(), fullgraph=True)
-    got = _train(model, x)
-    torch.testing.assert_close(got[1][-1], ref[1][-1], rtol=1e-5, atol=1e-6)
-    plan = dispatchers.dispatcher_of(model).plan
-    assert all(not d.region or d.action.value != "split" for d in plan.decisions)
-    # fullgraph: one graph per kind of region (the three same-shaped Linears share one), no breaks
-    labels = dispatchers.dispatcher_of(model)._applied.regions
-    assert set(labels) == {d.path for d in plan.regions()}
-    assert cap.graph_count == len(set(labels.values())) == 3
-    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
-
-
 def test_plain_fullgraph_really_raises_here():
     with autoweave.disabled():
         model = cw.checkpoint_wrapper(Block())
@@ -156,8 +138,8 @@ def test_mode_off_and_per_module_override():
 def test_no_ac_inside_means_plain_split_in_auto_and_weave_in_always():
     block = Block()
     assert not autoweave.plan(block).woven  # plain torch splits the graph and keeps the rest
-    always = autoweave.plan(block, mode="always", strategy="siblings")
-    assert always.woven and always.decision("").action.value == "weave"
+    always = autoweave.plan(block, mode="always")
+    assert always.woven and always.decision("").action.value == "split"
 
 
 def test_state_dict_keys_and_parameters_unchanged():
@@ -202,13 +184,14 @@ def test_same_class_leaf_regions_with_different_shapes_never_hit_recompile_limit
         def __init__(self):
             super().__init__()
             self.layers = nn.ModuleList(nn.Linear(d, d + 1) for d in dims)
-            self.experts = make_break(nn.Linear(8, 8))
+            self.layers.append(make_break(nn.Linear(8, 8)))
 
         def forward(self, xs):
-            return [layer(x) for layer, x in zip(self.layers, xs, strict=True)], self.experts(xs[4])
+            return [layer(x) for layer, x in zip(self.layers, [*xs, xs[4]], strict=True)]
 
     cap = counting.Capture()
-    stack = autoweave.set_mode(Stack(), strategy="siblings")  # a region per leaf, fullgraph each
+    # A break called from the loop over the leaves: a region per leaf, fullgraph each.
+    stack = Stack()
     stack.compile(backend=cap.backend(), fullgraph=True)
     xs = [torch.randn(2, d) for d in dims]
     with caplog.at_level(logging.WARNING), RecompileLimitHits() as hits:
@@ -310,15 +293,16 @@ def test_per_module_strategy_override_and_env_strategy(monkeypatch):
     block = cw.checkpoint_wrapper(Block())
     assert autoweave.plan(block).decision("").action.value == "hoist"
     assert autoweave.plan(block).decision("_checkpoint_wrapped_module").action.value == "split"
-    autoweave.set_mode(block, strategy="push-down")
+    autoweave.set_mode(block, strategy="pieces")
     plan = autoweave.plan(block)
-    assert plan.decision("").action.value == "push-down"
+    assert plan.decision("").action.value == "pieces"
     assert all(d.checkpoint is not None for d in plan.regions())
-    with pytest.raises(ValueError, match="hoist, pieces, push-down, siblings"):
-        autoweave.set_mode(block, strategy="sideways")
-    monkeypatch.setattr(_settings, "_current", Settings(enabled=True, strategy="siblings"))
+    for refused in ("sideways", "push-down", "siblings"):
+        with pytest.raises(ValueError, match="auto, hoist, pieces\\)"):
+            autoweave.set_mode(block, strategy=refused)
+    monkeypatch.setattr(_settings, "_current", Settings(enabled=True, strategy="pieces"))
     other = cw.checkpoint_wrapper(Block())
-    assert autoweave.plan(other).decision("_checkpoint_wrapped_module").action.value == "weave"
+    assert autoweave.plan(other).decision("").action.value == "pieces"
     # The woven model trains like eager under the forced strategy.
     torch.manual_seed(0)
     x = torch.randn(4, 8)

@@ -47,7 +47,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     # plan/: the decision. Reading the tree and the user's code (changes, source places,
     # checkpoints in code, boundaries, learned breaks, what pieces hold), what the run learned,
-    # then the planner.
+    # then the plan's data types, the tree read for one pass, the strategies and the planner's walk.
     (
         "autoweave.planning",
         "autoweave.planning.tree_changes",
@@ -58,6 +58,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.planning.memory",
         "autoweave.planning.traced_contexts",
         "autoweave.planning.learned",
+        "autoweave.planning.plans",
+        "autoweave.planning.tree",
+        "autoweave.planning.strategies",
         "autoweave.planning.planner",
     ),
     # weave/: the side effects, the only code that changes modules.

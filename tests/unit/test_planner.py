@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autoweave.planning import boundaries, planner
+from autoweave.planning import boundaries, planner, strategies
 from autoweave.planning.learned import Learned
-from autoweave.planning.planner import Action
+from autoweave.planning.plans import Action
 
 
 class Node(nn.Module):
@@ -100,10 +100,14 @@ def _owning_regions(
 
 
 @settings(max_examples=150, deadline=None)
-@given(trees, st.sampled_from(planner.MODES), st.sampled_from(planner.STRATEGIES), st.booleans())
-def test_plan_invariants(spec, mode, strategy, fullgraph):
+@given(
+    trees, st.sampled_from(planner.MODES), st.sampled_from(planner.STRATEGIES), st.booleans(), st.booleans()
+)
+def test_plan_invariants(spec, mode, strategy, fullgraph, one_by_one):
     root = build(spec)
-    plan = planner.plan(root, mode=mode, strategy=strategy, fullgraph=fullgraph)
+    plan = planner.plan(
+        root, mode=mode, strategy=strategy, fullgraph=fullgraph, children_one_by_one=one_by_one
+    )
     modules = dict(root.named_modules())
     boundary_paths = [n for n, m in modules.items() if m is not root and boundaries.classify(m)]
     assert [p for p, _ in plan.boundaries] == boundary_paths
@@ -144,7 +148,7 @@ def test_plan_invariants(spec, mode, strategy, fullgraph):
             assert not any(p.startswith(d.path + ".") for p in by_path if d.path)
         if d.action is Action.SPLIT:
             assert d.splits
-            assert not (fullgraph and strategy == "siblings")  # fullgraph splits only at boundaries
+            assert not one_by_one  # the dispatcher's last resort splits nothing
             assert d.checkpoint is None or d.pieces  # no break inside a traced checkpoint
         if d.checkpoint is not None:
             assert d.action in (Action.COMPILE, Action.BOUNDARY) or d.pieces
@@ -154,7 +158,7 @@ def test_plan_invariants(spec, mode, strategy, fullgraph):
         regions_above = [by_path[a] for a in _ancestors(path) if a in by_path and by_path[a].region]
         if regions_above:
             assert regions_above[-1].action in (Action.SPLIT, Action.BOUNDARY)
-            assert regions_above[-1].splits and (not fullgraph or strategy != "siblings")
+            assert regions_above[-1].splits and not one_by_one
     # Every parameter is captured by exactly one compiled region (see _owning_regions).
     for path, module in modules.items():
         for name, _ in module.named_parameters(recurse=False):
@@ -247,26 +251,46 @@ def test_selective_ac_is_moved_into_each_compiled_piece():
     assert {r.path.rsplit(".", 1)[-1] for r in plan.regions()} == {"_checkpoint_wrapped_module", "experts"}
 
 
-@pytest.mark.parametrize(
-    "strategy, action",
-    [
-        ("hoist", Action.HOIST),
-        ("pieces", Action.PIECES),
-        ("push-down", Action.PUSH_DOWN),
-        ("siblings", Action.SIBLINGS),
-    ],
-)
+@pytest.mark.parametrize("strategy, action", [("hoist", Action.HOIST), ("pieces", Action.PIECES)])
 @pytest.mark.parametrize("ac", ["full", "selective"])
 def test_every_strategy_can_be_chosen(ac, strategy, action):
-    assert planner.plan(_moe_block(ac), strategy=strategy).decision("").action is action
+    plan = planner.plan(_moe_block(ac), strategy=strategy)
+    assert plan.decision("").action is action
+    # The plan records the strategy that runs, which is the one asked here.
+    assert (plan.asked, plan.strategy) == (strategy, strategy)
+    assert f"strategy={strategy})" in plan.headline()
 
 
-def test_auto_picks_hoist_for_full_pieces_for_selective_push_down_for_a_custom_checkpoint():
-    assert planner.plan(_moe_block("full")).decision("").action is Action.HOIST
-    assert planner.plan(_moe_block("selective")).decision("").action is Action.PIECES
+@pytest.mark.parametrize("removed", ["push-down", "siblings"])
+def test_a_removed_strategy_is_refused_naming_the_accepted_ones(removed):
+    with pytest.raises(ValueError, match="auto, hoist, pieces"):
+        planner.plan(_moe_block("full"), strategy=removed)
+
+
+def test_auto_picks_hoist_for_full_pieces_for_selective_hoist_for_a_custom_checkpoint():
+    full = planner.plan(_moe_block("full"))
+    assert full.decision("").action is Action.HOIST
+    # The plan records what auto resolved to, and its headline says both.
+    assert (full.asked, full.strategy) == ("auto", "hoist") and "strategy=auto -> hoist)" in full.headline()
+    selective = planner.plan(_moe_block("selective"))
+    assert selective.decision("").action is Action.PIECES and selective.strategy == "pieces"
     block = _moe_block("full")._checkpoint_wrapped_module
     custom = checkpoint_wrapper(block, checkpoint_fn=lambda fn, *a, **k: fn(*a, **k))
-    assert planner.plan(custom).decision("").action is Action.PUSH_DOWN
+    for strategy in ("auto", "pieces"):
+        # A custom checkpoint_fn is called as written, by its wrapper, around a compile that splits.
+        plan = planner.plan(custom, strategy=strategy)
+        root = plan.decision("")
+        assert root.action is Action.HOIST and "custom checkpoint_fn" in root.reason, root.reason
+        assert plan.decision("_checkpoint_wrapped_module").action is Action.SPLIT
+        assert plan.strategy == "hoist" and all(r.checkpoint is None for r in plan.regions())
+
+
+def test_children_one_by_one_is_the_dispatchers_last_resort_only():
+    plan = planner.plan(_moe_block("selective"), mode="always", children_one_by_one=True)
+    root = plan.decision("")
+    assert root.action is Action.CHILDREN_ONE_BY_ONE and root.ac.selective
+    assert plan.decision("_checkpoint_wrapped_module").action is Action.WEAVE
+    assert plan.strategy == "children-one-by-one" and plan.asked == "auto"
 
 
 def test_a_block_measured_holding_more_as_pieces_is_hoisted_under_auto_only():
@@ -287,15 +311,6 @@ def test_a_block_measured_holding_more_as_pieces_is_hoisted_under_auto_only():
     )
 
 
-def test_selective_ac_push_down_is_pushed_into_every_region():
-    plan = planner.plan(_moe_block("selective"), strategy="push-down")
-    root = plan.decision("")
-    assert root.action is Action.PUSH_DOWN and root.ac.selective
-    regions = plan.regions()
-    assert regions and all(r.checkpoint is not None and r.checkpoint.selective for r in regions)
-    assert {r.path.rsplit(".", 1)[-1] for r in regions} == {"norm", "router", "experts"}
-
-
 def test_fullgraph_full_ac_hoists_and_splits_only_at_the_boundary():
     plan = planner.plan(_moe_block("full"), fullgraph=True)
     assert plan.decision("").action is Action.HOIST
@@ -305,9 +320,9 @@ def test_fullgraph_full_ac_hoists_and_splits_only_at_the_boundary():
     assert not plan.decision("_checkpoint_wrapped_module.moe.experts").splits
 
 
-def test_fullgraph_full_ac_with_siblings_weaves_siblings():
-    plan = planner.plan(_moe_block("full"), fullgraph=True, strategy="siblings")
-    assert plan.decision("").action is Action.SIBLINGS
+def test_fullgraph_full_ac_children_one_by_one_splits_nothing():
+    plan = planner.plan(_moe_block("full"), fullgraph=True, children_one_by_one=True)
+    assert plan.decision("").action is Action.CHILDREN_ONE_BY_ONE
     assert plan.decision("_checkpoint_wrapped_module").action is Action.WEAVE
     assert all(d.action is not Action.SPLIT for d in plan.decisions)
 
@@ -318,7 +333,7 @@ def test_nested_boundary_inside_boundary():
     outer.add_module("inner", boundaries.boundary(nn.Linear(2, 2), "FSDP unit (fully_shard)"))
     block = Node()
     block.add_module("outer", outer)
-    plan = planner.plan(checkpoint_wrapper(block), fullgraph=True, strategy="siblings")
+    plan = planner.plan(checkpoint_wrapper(block), fullgraph=True, children_one_by_one=True)
     assert plan.decision("_checkpoint_wrapped_module.outer").action is Action.BOUNDARY
     assert plan.decision("_checkpoint_wrapped_module.outer.inner").action is Action.BOUNDARY
     assert plan.decision("_checkpoint_wrapped_module.outer.a").action is Action.COMPILE
@@ -381,3 +396,62 @@ def test_planning_reads_the_users_forward_under_autoweaves_installs():
     assert planner.calls_checkpoint(block)
     assert boundaries.user_forward(block).__func__ is CkptBlock.forward
     assert boundaries.own_forward(block) is None
+
+
+_FULL = planner.CheckpointSpec(selective=False, reentrant=False, options=())
+_SELECTIVE = planner.CheckpointSpec(selective=True, reentrant=False, options=())
+_CUSTOM = planner.CheckpointSpec(selective=False, reentrant=False, options=(), known=False)
+_REENTRANT_SAC = planner.CheckpointSpec(selective=True, reentrant=True, options=())
+
+
+@pytest.mark.parametrize(
+    "spec, asked, context, expected, why",
+    [
+        (_FULL, "auto", {}, "hoist", ""),
+        (_FULL, "pieces", {}, "pieces", ""),
+        (_SELECTIVE, "auto", {}, "pieces", ""),
+        (_SELECTIVE, "hoist", {}, "hoist", ""),
+        (_SELECTIVE, "auto", {"measured": "0.6 MB"}, "hoist", "measured: 0.6 MB"),
+        (_SELECTIVE, "pieces", {"measured": "0.6 MB"}, "pieces", ""),  # what was asked is kept
+        (_SELECTIVE, "pieces", {"untraceable": "not two modes"}, "hoist", "not two modes"),
+        (_CUSTOM, "auto", {}, "hoist", "custom checkpoint_fn"),
+        (_CUSTOM, "pieces", {}, "hoist", "custom checkpoint_fn"),
+        (_REENTRANT_SAC, "auto", {}, "children-one-by-one", "reentrant"),
+        (_REENTRANT_SAC, "hoist", {}, "hoist", ""),
+        (_FULL, "hoist", {"nested": True}, "children-one-by-one", "nested"),
+        (_SELECTIVE, "pieces", {"children_one_by_one": True}, "children-one-by-one", "re-planned"),
+    ],
+)
+def test_the_resolver_picks_one_strategy_with_its_reason(spec, asked, context, expected, why):
+    context = dict(context)
+    untraceable = context.pop("untraceable", None)
+    resolved = strategies.resolve(spec, asked=asked, untraceable=lambda: untraceable, **context)
+    assert resolved.strategy.name == expected
+    assert (why in resolved.why) if why else resolved.why == ""
+
+
+def test_the_resolver_asks_about_the_context_fn_only_where_it_matters():
+    asked = []
+
+    def untraceable():
+        asked.append(1)
+
+    for spec, strategy in ((_FULL, "auto"), (_SELECTIVE, "hoist"), (_CUSTOM, "pieces")):
+        strategies.resolve(spec, asked=strategy, untraceable=untraceable)
+    assert asked == []  # a probe calls the user's context_fn: not for a strategy that never traces it
+    strategies.resolve(_SELECTIVE, asked="auto", untraceable=untraceable)
+    assert asked == [1]
+
+
+@pytest.mark.parametrize(
+    "spec, asked, expected",
+    [
+        (_SELECTIVE, "auto", "pieces"),
+        (_SELECTIVE, "hoist", "pieces"),  # an eager policy would see inductor's kernels
+        (_FULL, "auto", "hoist"),  # stays outside, as plain torch runs it
+        (_FULL, "pieces", "pieces"),
+        (_CUSTOM, "pieces", "hoist"),  # its checkpoint_fn is called as written, outside
+    ],
+)
+def test_an_ac_outside_the_compile_moves_in_or_stays_outside(spec, asked, expected):
+    assert strategies.resolve_outer(spec, asked=asked).strategy.name == expected

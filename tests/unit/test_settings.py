@@ -176,7 +176,7 @@ def test_every_accepted_mode_and_strategy_is_understood_by_the_planner() -> None
     for strategy in _settings.STRATEGIES:
         plan = planner.plan(nn.Linear(2, 2), strategy=parse(AUTOWEAVE_STRATEGY=strategy).strategy)
         assert plan.strategy == strategy
-    for rejected in ("sometimes", "push_down"):
+    for rejected in ("sometimes", "push_down", "push-down", "siblings"):
         with pytest.raises(ValueError):
             planner.plan(nn.Linear(2, 2), mode=rejected, strategy=rejected)
 
@@ -213,7 +213,9 @@ def test_choice_accepted_values(
 
 
 @pytest.mark.parametrize(("variable", "field", "accepted", "default"), CHOICES)
-@pytest.mark.parametrize("value", ["bogus", "1", "push_down", "warn", "hoist,siblings", "offf"])
+@pytest.mark.parametrize(
+    "value", ["bogus", "1", "push_down", "push-down", "siblings", "warn", "hoist,siblings", "offf"]
+)
 def test_choice_invalid_value(
     variable: str, field: str, accepted: tuple[str, ...], default: str | None, value: str
 ) -> None:

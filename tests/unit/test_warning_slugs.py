@@ -25,7 +25,6 @@ def slugs_in_code() -> set[str]:
 def slugs_in_readme() -> set[str]:
     rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `")]
     return {m.group(1) for line in rows if (m := re.match(r"\| `([a-z]+(?:-[a-z]+)+)`", line))} - {
-        "push-down",
         "torch-autoweave",
     }
 
