@@ -85,3 +85,33 @@ def test_quick_benchmark_png(quick: tuple[subprocess.CompletedProcess, Path, Pat
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert out_png.exists(), proc.stderr[-3000:]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+COMPILE_COST = ROOT / "benchmarks" / "compile_cost.py"
+
+
+@pytest.mark.slow
+def test_compile_cost_quick(tmp_path: Path) -> None:
+    """benchmarks/compile_cost.py --quick (the example's tables): one row per run, each trained, counted."""
+    out_json = tmp_path / "cost.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOWEAVE")}
+    proc = subprocess.run(
+        [sys.executable, str(COMPILE_COST), "--quick", "--tables", "b,c", "--json", str(out_json)],
+        env=env, capture_output=True, text=True, timeout=1200, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = json.loads(out_json.read_text())["rows"]
+    depth = {row["variant"]: row for row in rows if row["table"] == "b"}
+    assert sorted(depth) == ["autoweave", "hand weave", "plain", "upper bound"]
+    lengths = {row["setting"]: row for row in rows if row["table"] == "c"}
+    assert sorted(lengths) == ["autoweave", "plain"]
+    for row in rows:
+        assert row["ok"], row
+        assert row["frames"] >= 1 and row["compiles"] >= row["frames"] and row["step1_cpu_s"] > 0, row
+        assert sum(row["compiles_per_step"]) == row["compiles"], row
+    for row in lengths.values():
+        assert len(row["compiles_per_step"]) == 3, row  # one count per step, one length per step
+    # The hand weave compiles the code autoweave compiles: the same GEMMs left outside graphs.
+    assert depth["hand weave"]["fwd_gemms_eager"] == depth["autoweave"]["fwd_gemms_eager"]
+    assert depth["plain"]["fallbacks"] >= 1 and depth["autoweave"]["fallbacks"] == 0
+    assert "## c) variable lengths" in proc.stdout

@@ -12,6 +12,12 @@ Measured, per run:
 - ``graphs``/``ops``: graphs the backend was handed and their ``call_function`` nodes;
 - ``compiles``/``recompiles``: dynamo's compile callbacks (a compile id ``f/n`` with ``n > 0``
   is a recompile of frame ``f``), and ``unique_graphs`` from ``counters["stats"]``;
+- ``frames``: the distinct frames dynamo compiled, the ``f`` of those compile ids (a frame
+  counts once however often it recompiles); ``compiles_per_step``, when the worker calls
+  ``end_step()`` after each step: how many compiles (recompiles included) each step started;
+- ``step1_cpu_s`` (workers that ask for it): CPU seconds of the first step, user and system,
+  of this process and of its waited-for children (compiler subprocesses), summed over the ranks
+  (``cpu_seconds``, ``sum_over_ranks``);
 - ``fallbacks``: dynamo's "will fall back to eager-mode PyTorch" messages (AC regions that
   ran eager), counted by ``autoweave.observe.counting.FallbackCounter``;
 - ``graph_breaks``: ``counters["graph_break"]``, reasons included;
@@ -95,6 +101,8 @@ class Metrics:
         self.ops = 0
         self.compiles = 0
         self.recompiles = 0
+        self.frames: set[int] = set()
+        self._compiles_at_step_end: list[int] = []
         self._lock = threading.Lock()
         self.fallbacks: Any = None
         self.limits = _LimitCounter()
@@ -152,17 +160,30 @@ class Metrics:
         with self._lock:
             self.compiles += 1
             self.recompiles += bool(match and int(match.group(2)) > 0)
+            if match:
+                self.frames.add(int(match.group(1)))
+
+    def end_step(self) -> None:
+        """Mark the end of a training step: ``compiles_per_step`` counts the compiles between marks."""
+        with self._lock:
+            self._compiles_at_step_end.append(self.compiles)
 
     def snapshot(self) -> dict[str, Any]:
         from torch._dynamo.utils import counters
 
         breaks = dict(counters.get("graph_break", {}))
         stats = dict(counters.get("stats", {}))
+        marks = self._compiles_at_step_end
+        per_step = [b - a for a, b in zip([0, *marks], marks, strict=False)]
         return {
             "graphs": self.graphs,
             "ops": self.ops,
             "compiles": self.compiles,
             "recompiles": self.recompiles,
+            "frames": len(self.frames),
+            "compiles_per_step": per_step,
+            # 1-based; 0 when no step compiled anything
+            "last_compiling_step": max((i + 1 for i, n in enumerate(per_step) if n), default=0),
             "unique_graphs": int(stats.get("unique_graphs", 0)),
             "calls_captured": int(stats.get("calls_captured", 0)),
             "fallbacks": self.fallbacks.count if self.fallbacks is not None else 0,
@@ -197,6 +218,29 @@ def activation_bytes(forward: Any) -> tuple[Any, int | None]:
     out = forward()
     after = measure.heap_in_use()
     return out, (None if before is None or after is None else after - before)
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its children that ended (compiler subprocesses)."""
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
+def sum_over_ranks(value: float) -> float:
+    """``value`` summed over the ranks of the default process group (itself without one)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item())
 
 
 def rank() -> int:

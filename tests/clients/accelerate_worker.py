@@ -12,6 +12,21 @@ multi-CPU DDP, so its state is set to FSDP with the plugin after construction
 ``acc.state.fsdp_plugin = plugin``).
 Nothing else.
 
+``--use-cache false`` passes ``use_cache=False`` to the model, as training code does (the config's
+default, ``True``, is what runs without it: accelerate's AC does not turn the cache off).
+``--variant`` (benchmarks/compile_cost.py) builds two references beside accelerate's own path:
+``upper_bound`` wraps (FSDP and AC) only the decoder layers, so the experts have no unit of their
+own and nothing breaks the graph; ``hand_weave`` is accelerate's regional compile with one change
+(``hand_weave_regions`` in place of its ``compile_regions_fsdp2``): each repeated block's
+*inner* module is compiled in place instead of its checkpoint wrapper, and so is the inner module of
+the experts' nested checkpoint wrapper: both checkpoints run eager, around a compile of
+``Qwen3MoeDecoderLayer.forward`` and of the experts' ``forward``, one code object (one dynamo
+cache) each for every layer. Dynamo splits the layer at the experts' call (their FSDP unit, under
+a checkpoint it cannot trace: one AC fallback message, the experts' checkpoint then runs eager
+around their compiled forward). That is the code autoweave compiles for these layers (its plan:
+"AC eager ... around a compile of the inner block", for the layer and for the experts), without
+autoweave's code copies.
+
     torchrun --standalone --nproc-per-node 2 tests/clients/accelerate_worker.py --layers 3 [--compile regional|whole|none] [--nograd] [--save DIR]
 """
 
@@ -27,6 +42,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 
+def hand_weave_regions(module, **compile_kwargs):
+    """accelerate's ``compile_regions_fsdp2``, compiling a repeated block's inner module under its AC wrapper."""
+    from accelerate.utils.other import has_repeated_blocks, is_repeated_blocks
+
+    if is_repeated_blocks(module):
+        for block in module:
+            # the block's AC wrapper and the experts' nested one (accelerate's AC) stay eager
+            for sub in block.modules():
+                inner = getattr(sub, "_checkpoint_wrapped_module", None)
+                if inner is not None:
+                    inner.compile(**compile_kwargs)
+    elif has_repeated_blocks(module):
+        for child in module.children():
+            hand_weave_regions(child, **compile_kwargs)
+    else:
+        module.compile(**compile_kwargs)
+    return module
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=3)
@@ -37,6 +71,11 @@ def main() -> None:
     p.add_argument(
         "--measure", action="store_true", help="profile GEMMs, backward GEMMs and activation memory"
     )
+    p.add_argument("--gemms", action="store_true", help="profile the forward's GEMMs only (no other measure)")
+    p.add_argument(
+        "--use-cache", choices=("true", "false"), default=None, help="use_cache for the model call"
+    )
+    p.add_argument("--variant", choices=("accelerate", "upper_bound", "hand_weave"), default="accelerate")
     args = p.parse_args()
 
     metrics = _common.Metrics().install()
@@ -63,11 +102,16 @@ def main() -> None:
         )
         model = Qwen3MoeForCausalLM(cfg)
         experts_cls = type(model.model.layers[0].mlp.experts).__name__
+        wrapped = (
+            ["Qwen3MoeDecoderLayer"]
+            if args.variant == "upper_bound"
+            else ["Qwen3MoeDecoderLayer", experts_cls]
+        )
         fsdp = FullyShardedDataParallelPlugin(
             fsdp_version=2,
             activation_checkpointing=True,
             auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=["Qwen3MoeDecoderLayer", experts_cls],
+            transformer_cls_names_to_wrap=wrapped,
         )
         kwargs = {}
         if args.compile != "none":
@@ -83,26 +127,40 @@ def main() -> None:
         PartialState().distributed_type = DistributedType.FSDP
         acc.state.fsdp_plugin = fsdp
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if args.variant == "hand_weave":
+            import accelerate.accelerator
+
+            accelerate.accelerator.compile_regions_fsdp2 = hand_weave_regions
         model, opt = acc.prepare(model, opt)
         ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        call = {} if args.use_cache is None else {"use_cache": args.use_cache == "true"}
         if args.nograd:
             with torch.no_grad():
-                model(input_ids=ids)
+                model(input_ids=ids, **call)
         losses, times = [], []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            out = model(input_ids=ids, labels=ids)
+        step1_cpu = 0.0
+        for step in range(args.steps):
+            t0, cpu0 = time.perf_counter(), _common.cpu_seconds()
+            out = model(input_ids=ids, labels=ids, **call)
             acc.backward(out.loss)
             opt.step()
             opt.zero_grad()
             losses.append(float(out.loss.item()))
             times.append(time.perf_counter() - t0)
+            if step == 0:
+                step1_cpu = _common.cpu_seconds() - cpu0
+            metrics.end_step()
         result = {
             "losses": losses,
             "first_step_s": round(times[0], 2),
             "step_s": round(min(times[1:] or times), 3),
+            "step1_cpu_s": round(_common.sum_over_ranks(step1_cpu), 2),
+            "variant": args.variant,
         }
         result.update(metrics.snapshot())
+        if args.gemms:
+            eager, compiled = _common.gemms_of_forward(lambda: model(input_ids=ids, labels=ids, **call))
+            result.update(fwd_gemms_eager=eager, fwd_gemms_compiled=compiled)
         if args.save:
             acc.wait_for_everyone()
             result["distributed_type"] = str(acc.distributed_type)
@@ -118,9 +176,9 @@ def main() -> None:
         if args.measure:
             result.update(
                 _common.measurements(
-                    lambda: model(input_ids=ids),
-                    lambda: model(input_ids=ids, labels=ids),
-                    lambda: model(input_ids=ids, labels=ids).loss,
+                    lambda: model(input_ids=ids, **call),
+                    lambda: model(input_ids=ids, labels=ids, **call),
+                    lambda: model(input_ids=ids, labels=ids, **call).loss,
                 )
             )
             opt.zero_grad()

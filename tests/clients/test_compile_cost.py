@@ -1,0 +1,66 @@
+"""Compile cost as counts, not times (issue 27): flat in depth, and nothing compiled after step 2 as lengths vary.
+
+Counted the way ``benchmarks/compile_cost.py`` counts (``_common.Metrics``: frames are the distinct
+frame ids of dynamo's compile-start callbacks). Both fail on the code of issue 27's filing, so they
+are strict xfails that flip when its fix lands. A run that does not train fails the test outright:
+only the count raises the expected exception.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _runner  # noqa: E402
+
+pytestmark = pytest.mark.clients
+LENGTHS = "64,96,80,128"  # a new sequence length at each of 4 steps
+
+
+class CountNotFlat(Exception):
+    """A compile count grew where issue 27 wants it flat."""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=CountNotFlat,
+    reason="issue 27: a region's key holds every constant a forward mentions (layer_idx), "
+    "so every transformers decoder layer compiles its own frames",
+)
+def test_transformers_frames_do_not_grow_with_depth(client_run):
+    _runner.require("accelerate")
+    _runner.require("transformers")
+    runs = {
+        n: client_run(
+            "accelerate_worker", "autoweave", "--layers", str(n), "--steps", "2", "--use-cache", "false"
+        )
+        for n in (2, 8)
+    }
+    for run in runs.values():
+        assert run.ok, run.describe()
+    frames = {n: run.get("frames") for n, run in runs.items()}
+    if frames[8] != frames[2]:
+        raise CountNotFlat(
+            f"frames by layers: {frames}; compiles {[r.get('compiles') for r in runs.values()]}"
+        )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=CountNotFlat,
+    reason="issue 27: selective AC's pieces replay graphs on static fake copies, which "
+    "specializes the sequence length, so every new length recompiles",
+)
+def test_selective_ac_compiles_nothing_after_step_two_as_lengths_vary(client_run):
+    args = ("--layers", "2", "--ac", "selective", "--steps", "4", "--lengths", LENGTHS)
+    run = client_run("example_worker", "autoweave", *args)
+    assert run.ok, run.describe()
+    assert run.get("compiles_per_step") and len(run.get("compiles_per_step")) == 4
+    if run.get("last_compiling_step") > 2:
+        raise CountNotFlat(
+            f"compiles per step {run.get('compiles_per_step')}, recompiles {run.get('recompiles')}, "
+            f"limit hits {run.get('recompile_limit_hits')}"
+        )
