@@ -38,8 +38,9 @@ class Request:
 
     ``outer``: the AC wrapper around an in-place compiled block
     (``checkpoint_wrapper(torch.compile(block))``), if any. ``taught``: what a
-    fallback taught this target's dispatcher: its own ``breaks`` (ids -> why)
-    and a forced ``mode`` / ``strategy``.
+    fallback taught this target's dispatcher: its own ``breaks`` (ids -> why),
+    a forced ``mode``, and ``children_one_by_one`` (the last resort when a
+    learned plan would not weave).
     """
 
     module: nn.Module
@@ -82,6 +83,7 @@ def plan(request: Request, *, mode: str | None = None, strategy: str | None = No
         outer_ac=planner.checkpoint_spec(outer) if outer is not None else None,
         call_traced=request.call_traced,
         learned=learned,
+        children_one_by_one=bool(taught.get("children_one_by_one")),
     )
 
 

@@ -14,7 +14,15 @@ from autoweave.observe import summary
 from autoweave.planning import planner
 from tests.models import Block
 
-pytestmark = pytest.mark.usefixtures("weave_on")
+pytestmark = pytest.mark.usefixtures("weave_on", "_one_rank")
+
+
+@pytest.fixture
+def _one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A process group another test of this worker made (and ``_log`` remembers) must not
+    # make these summaries a multi-rank job's; the rank test sets its own world.
+    monkeypatch.setattr(summary, "world_size", lambda: 1)
+    monkeypatch.setattr(summary, "rank", lambda: 0)
 
 
 class Layers(nn.Module):
