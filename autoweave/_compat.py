@@ -249,6 +249,32 @@ def call_impl(module: Any) -> Any:
     return module._call_impl
 
 
+# What dynamo traces in place of a function it meets while tracing (torch 2.1+, every torch in
+# TESTED_TORCH; torch/_dynamo/eval_frame.py sets it on each compiled callable, and
+# variables/builder.py reads it before any other rule for a function).
+TRACE_AS = "_torchdynamo_inline"
+# What marks a ``torch._dynamo.disable``d function to a trace (a graph break at its call).
+DISABLED = "_torchdynamo_disable"
+
+
+def outside_dynamo(fn: Callable[..., Any], *, traced_as: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run with dynamo's frame evaluation off; a trace that meets it traces ``traced_as``.
+
+    Run: as ``torch.compiler.disable`` runs a function. When an outer compile
+    breaks its graph at this call, dynamo would otherwise convert every frame
+    ``fn`` runs (autoweave's own code) under the outer compile; compiled
+    callables inside set their own compile, as plain torch's do.
+    Traced: an outer compile inlining this call meets ``traced_as`` (what plain
+    torch.compile made) instead, never ``fn``, and no graph break.
+    """
+    import torch
+
+    wrapper = torch._dynamo.disable(fn, recursive=True)
+    setattr(wrapper, DISABLED, False)
+    setattr(wrapper, TRACE_AS, traced_as)
+    return wrapper
+
+
 def dynamo_counters() -> dict[str, Any]:
     """dynamo's process-wide counters (``stats``, ``graph_break``...); {} when they moved."""
     try:
@@ -695,6 +721,7 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
         ("torch._dynamo.eval_frame.OptimizedModule", optimized_module),
         ("OptimizedModule._orig_mod", lambda: _init_names(optimized_module(), "_orig_mod")),
         ("torch.nn.Module._compiled_call_impl", lambda: "_compiled_call_impl" in vars(torch.nn.Module)),
+        (f"dynamo's inline hook {TRACE_AS!r}", lambda: _source_has("torch._dynamo.eval_frame", TRACE_AS)),
         (
             "torch.nn.Module._forward_pre_hooks/_forward_hooks",
             lambda: {"_forward_pre_hooks", "_forward_hooks"} <= set(vars(torch.nn.Module())),
