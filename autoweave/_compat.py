@@ -516,6 +516,21 @@ def code_being_compiled() -> Any:
     return None
 
 
+# The name dynamo gives a function that resumes a frame after a graph break (resume_execution.py;
+# the same on every torch in TESTED_TORCH): ``torch_dynamo_resume_in_<name>_at_<line>``.
+_RESUME_NAME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
+
+
+def resumed_name(code_name: str) -> str:
+    """The name of the frame a resume function continues (through resumes of resumes); else ``code_name``."""
+    for _ in range(8):
+        match = _RESUME_NAME.match(code_name)
+        if match is None:
+            break
+        code_name = match.group(1)
+    return code_name
+
+
 # -- failing open inside dynamo -----------------------------------------------------------
 #
 # What torch's ``torch._dynamo.config.suppress_errors`` does, scoped to autoweave's
