@@ -20,7 +20,7 @@ from autoweave import _log, _state
 from autoweave._settings import Settings
 from autoweave.observe import report, report_exit, summary
 from benchmarks.measure import forward_gemms_outside_graphs
-from tests.models import Block, RecompileLimitHits, recompiles, train_chain
+from tests.models import Block, Experts, RecompileLimitHits, make_break, recompiles, train_chain
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -595,3 +595,46 @@ def test_measuring_under_an_eager_selective_checkpoint_changes_nothing(weave_on)
     data = report.stop()
     assert observed == quiet
     assert data["measured"]["modules"] == 2, data["measured"]
+
+
+class _TwoUnits(nn.Module):
+    """Two boundaries in a row: the frame between them holds no op, yet recompiles for a new size."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.first, self.second = make_break(Experts(dim)), make_break(Experts(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.second(self.first(self.norm(x)))
+
+
+@pytest.mark.parametrize("reset", ["torch.compiler.reset", "torch._dynamo.reset"])
+def test_the_report_stays_true_across_resets_and_regions_add_up_to_dynamo(weave_on, reset: str) -> None:
+    torch.manual_seed(0)
+    report.start(None)
+    model = nn.Sequential(
+        *[torch.compile(cw.checkpoint_wrapper(_TwoUnits()), backend="aot_eager") for _ in range(2)]
+    )
+
+    def steps() -> None:
+        for rows in (4, 4, 6, 7):  # new sizes: every frame of the regions recompiles
+            model(torch.randn(rows, 8)).sum().backward()
+
+    steps()
+    before = report._stats.snapshot()
+    # What frameworks call between train and eval: dynamo forgets every compile and its callbacks.
+    {"torch.compiler.reset": torch.compiler.reset, "torch._dynamo.reset": torch._dynamo.reset}[reset]()
+    steps()  # compiled all over again
+    data = report.stop()
+
+    first, total = before["dynamo"], data["dynamo"]
+    assert first["recompiles"] > 0, first
+    # After the reset the same compiles happen again, and the report hears every one.
+    assert (total["compiles"], total["recompiles"]) == (2 * first["compiles"], 2 * first["recompiles"])
+    assert total["compile_s"] > first["compile_s"]
+    woven = [r for r in data["regions"] if r["kind"] == "woven"]
+    # Each compile of a woven region's frames (its resume functions, the frames it calls) is the
+    # region's, whether or not dynamo handed the backend a graph: the regions add up to dynamo.
+    assert sum(r["compiles"] for r in woven) == total["compiles"], woven
+    assert sum(r["recompiles"] for r in woven) == total["recompiles"], woven

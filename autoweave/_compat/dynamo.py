@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 from autoweave._compat.lookup import find, find_optional
@@ -132,3 +134,44 @@ def code_being_compiled() -> Any:
             return code if isinstance(code, types.CodeType) else None
         frame = frame.f_back
     return None
+
+
+# What dynamo traces in place of a function it meets while tracing (torch 2.1+, every torch in
+# TESTED_TORCH; torch/_dynamo/eval_frame.py sets it on each compiled callable, and
+# variables/builder.py reads it before any other rule for a function).
+TRACE_AS = "_torchdynamo_inline"
+# What marks a ``torch._dynamo.disable``d function to a trace (a graph break at its call).
+DISABLED = "_torchdynamo_disable"
+
+
+def outside_dynamo(fn: Callable[..., Any], *, traced_as: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run with dynamo's frame evaluation off; a trace that meets it traces ``traced_as``.
+
+    Run: as ``torch.compiler.disable`` runs a function. When an outer compile
+    breaks its graph at this call, dynamo would otherwise convert every frame
+    ``fn`` runs (autoweave's own code) under the outer compile; compiled
+    callables inside set their own compile, as plain torch's do.
+    Traced: an outer compile inlining this call meets ``traced_as`` (what plain
+    torch.compile made) instead, never ``fn``, and no graph break.
+    """
+    import torch
+
+    wrapper = torch._dynamo.disable(fn, recursive=True)
+    setattr(wrapper, DISABLED, False)
+    setattr(wrapper, TRACE_AS, traced_as)
+    return wrapper
+
+
+# The name dynamo gives a function that resumes a frame after a graph break (resume_execution.py;
+# the same on every torch in TESTED_TORCH): ``torch_dynamo_resume_in_<name>_at_<line>``.
+_RESUME_NAME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
+
+
+def resumed_name(code_name: str) -> str:
+    """The name of the frame a resume function continues (through resumes of resumes); else ``code_name``."""
+    for _ in range(8):
+        match = _RESUME_NAME.match(code_name)
+        if match is None:
+            break
+        code_name = match.group(1)
+    return code_name

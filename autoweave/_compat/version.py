@@ -160,6 +160,10 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
         ("OptimizedModule._orig_mod", lambda: _init_names(modules.optimized_module(), "_orig_mod")),
         ("torch.nn.Module._compiled_call_impl", lambda: "_compiled_call_impl" in vars(torch.nn.Module)),
         (
+            f"dynamo's inline hook {dynamo.TRACE_AS!r}",
+            lambda: _source_has("torch._dynamo.eval_frame", dynamo.TRACE_AS),
+        ),
+        (
             "torch.nn.Module._forward_pre_hooks/_forward_hooks",
             lambda: {"_forward_pre_hooks", "_forward_hooks"} <= set(vars(torch.nn.Module())),
         ),

@@ -246,7 +246,8 @@ class _Dispatcher:
         ``module._compiled_call_impl``) is a function, and code that looks there
         goes by it: TorchScript skips a function it cannot script, but types any
         other object from ``nn.Module``'s annotation and fails. A closure costs no
-        more per call than the dispatcher's own ``__call__``.
+        more per call than the dispatcher's own ``__call__``; the wrapper that keeps
+        dynamo out of it (``_compat.outside_dynamo``) costs two eval-frame swaps.
         """
         dispatcher = self
 
@@ -269,7 +270,9 @@ class _Dispatcher:
                     return dispatcher._watched(dispatcher._plain_forward(), args, kwargs)
             return dispatcher._plain_forward()(*args, **kwargs)
 
-        return call
+        # Under an outer compile (the whole model over compiled blocks) dynamo sees what
+        # plain torch.compile made, and never traces or converts the dispatcher's frames.
+        return _compat.outside_dynamo(call, traced_as=self._plain_forward())
 
     def _plain_forward(self) -> Callable[..., Any]:
         """What plain torch.compile made of the target (built at its first use)."""

@@ -138,20 +138,24 @@ def _gate_outer_ac(dispatcher: _Dispatcher, wrapper: nn.Module) -> None:
     wrapper_ref = weakref.ref(wrapper)
     wrapper_forward = type(wrapper).forward
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def gate(*args: Any, **kwargs: Any) -> Any:
         wrapper = wrapper_ref()
         dispatcher.ensure_decided()
         if dispatcher.skip_outer_checkpoint:
             return _compat.checkpoint_wrapped(wrapper)(*args, **kwargs)
         return wrapper_forward(wrapper, *args, **kwargs)
 
+    # An outer compile over the wrapper traces the wrapper's own forward, as plain torch
+    # would, never the gate (see ``_compat.outside_dynamo``). That stand-in holds the
+    # wrapper, so ``_gates`` holds the gate weakly: its values must not keep a key alive.
+    forward = _compat.outside_dynamo(gate, traced_as=wrapper_forward.__get__(wrapper))
     previous = _instances.install_forward(wrapper, forward)
     with _gates_lock:
-        _gates[wrapper] = (dispatcher, forward, previous)
+        _gates[wrapper] = (dispatcher, weakref.ref(forward), previous)
     _installs.install("gates on checkpoint wrappers around compiled blocks", lambda: _ungate_unwoven)
 
 
-# Every gated wrapper (held weakly) -> (its block's dispatcher, the gate, the forward it replaced).
+# Every gated wrapper (held weakly) -> (its block's dispatcher, the gate (weakly), the forward it replaced).
 _gates: weakref.WeakKeyDictionary[nn.Module, tuple[_Dispatcher, Any, Any]] = weakref.WeakKeyDictionary()
 _gates_lock = threading.Lock()
 
@@ -161,10 +165,12 @@ def _ungate_unwoven() -> None:
     with _gates_lock:
         gated = list(_gates.items())
         _gates.clear()
-    for wrapper, (dispatcher, gate, previous) in gated:
+    for wrapper, (dispatcher, gate_ref, previous) in gated:
+        gate = gate_ref()
         if (
             dispatcher.woven
             or dispatcher.state is State.LEARNED
+            or gate is None
             or wrapper.__dict__.get("forward") is not gate
         ):
             continue  # woven (or about to be): keeps its gate; someone else's forward on top: theirs stays

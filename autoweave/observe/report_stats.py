@@ -23,7 +23,7 @@ from autoweave import _compat, _taps
 from autoweave._compat.log_strings import RecompileLimit
 from autoweave._log import rank, world_size
 from autoweave._state import run
-from autoweave.observe import counting, graph_breaks, summary
+from autoweave.observe import compile_callbacks, counting, graph_breaks, summary
 from autoweave.weave.region_backend import CompiledGraph, observe_graphs
 
 
@@ -76,7 +76,7 @@ class _Stats:
         # id(dispatcher) -> what one steady call of its module left in the autograd graph
         self.gemms: dict[int, counting.AutogradGemms] = {}
         self._limits = _taps.listening(RecompileLimit, self._on_limit)
-        self._callbacks: Any = None
+        self._unlisten: Callable[[], None] | None = None
         self._unobserve: Callable[[], None] | None = None
 
     def install(self) -> None:
@@ -84,10 +84,8 @@ class _Stats:
         self.fallbacks.install()
         graph_breaks.watch_graph_breaks()  # the user's line of each graph break (autoweave/observe/graph_breaks.py)
         self._limits.start()  # dynamo's recompile-limit warnings (any compile, autoweave's or not)
-        self._callbacks = _compat.compile_callbacks()
-        if self._callbacks is not None:
-            self._callbacks.register_start_callback(self._on_start)
-            self._callbacks.register_end_callback(self._on_end)
+        # Kept across torch._dynamo.reset(), which clears dynamo's callbacks (compile_callbacks).
+        self._unlisten = compile_callbacks.listen(self._on_start, self._on_end)
 
     def uninstall(self) -> None:
         if self._unobserve is not None:
@@ -95,15 +93,9 @@ class _Stats:
             self._unobserve = None
         self.fallbacks.uninstall()
         self._limits.stop()
-        if self._callbacks is not None:
-            for remove, fn in (
-                (self._callbacks.remove_start_callback, self._on_start),
-                (self._callbacks.remove_end_callback, self._on_end),
-            ):
-                try:
-                    remove(fn)
-                except ValueError:
-                    pass
+        if self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
 
     def _on_limit(self, hit: RecompileLimit) -> None:
         self.limit_hits.append(hit.summary)
@@ -114,8 +106,12 @@ class _Stats:
         trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
         match = _COMPILE_ID.search(str(getattr(args, "compile_id", "")))
         recompile = trigger == "DYNAMO" and match is not None and int(match.group(2)) > 0
+        # A woven region's own frame, or a resume function of it, is its region's compile
+        # whether or not it hands the backend a graph: a frame between two boundaries (or
+        # calls dynamo must not trace) can hold no op, and yet recompile for a new size.
+        region = self._region_of(_compat.code_being_compiled()) if trigger == "DYNAMO" else None
         with self._lock:
-            self._open.append((time.perf_counter(), [], recompile))
+            self._open.append((time.perf_counter(), [] if region is None else [region], recompile))
             if trigger == "DYNAMO":
                 self.compiles += 1
                 self.recompiles += recompile
@@ -131,6 +127,13 @@ class _Stats:
             region.compile_s += elapsed / len(regions)
             region.compiles += 1
             region.recompiles += recompile
+
+    def _region_of(self, code: Any) -> RegionStats | None:
+        """The woven region whose code (or a resume function of it) ``code`` is; None if none."""
+        if code is None:
+            return None
+        region = self.regions.get(_compat.resumed_name(code.co_name))
+        return region if region is not None and region.kind == "woven" else None
 
     def on_graph(self, graph: CompiledGraph, kind: str = "woven") -> None:
         """A region's backend compiled a graph (or runs it eager): count it under its region."""

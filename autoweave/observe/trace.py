@@ -17,7 +17,6 @@ Nothing is registered or emitted unless a structured trace is being written.
 from __future__ import annotations
 
 import os
-import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,13 +24,11 @@ from typing import Any
 from autoweave import _compat, _installs
 from autoweave._failopen import guard
 from autoweave._state import run
-from autoweave.observe import summary
+from autoweave.observe import compile_callbacks, summary
 from autoweave.planning import sources
 
 PLAN_ARTIFACT = "autoweave_plan"
 REGION_ARTIFACT = "autoweave_region"
-# Names dynamo gives the functions that resume a frame after a graph break.
-_RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
 
 # What each region's artifact says lives on ``_state.run.trace_regions``.
 _lock = threading.Lock()
@@ -99,11 +96,7 @@ def emit_region(label: str, *, code_name: str) -> None:
 
 def region_label(code_name: str) -> str | None:
     """The woven region a code object belongs to (resume functions included), or None."""
-    for _ in range(8):  # resume functions of resume functions
-        match = _RESUME.match(code_name)
-        if match is None:
-            break
-        code_name = match.group(1)
+    code_name = _compat.resumed_name(code_name)
     with _lock:
         return code_name if code_name in run.trace_regions else None
 
@@ -122,16 +115,7 @@ def _install_callback() -> None:
 
 
 def _add_callback() -> Callable[[], None] | None:
-    callbacks = _compat.compile_callbacks()
-    if callbacks is None:
-        return None
-    callbacks.register_start_callback(_on_compile_start)
-
-    def undo() -> None:
-        if _on_compile_start in callbacks.start_callbacks:
-            callbacks.remove_start_callback(_on_compile_start)
-
-    return undo
+    return compile_callbacks.listen(start=_on_compile_start)
 
 
 def _emit(name: str, payload: dict[str, Any]) -> None:

@@ -81,6 +81,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.observe.graph_breaks",
         "autoweave.observe.torch_logs",
         "autoweave.observe.summary",
+        "autoweave.observe.compile_callbacks",
         "autoweave.observe.trace",
         "autoweave.observe.report_stats",
         "autoweave.observe.report",
