@@ -1,0 +1,132 @@
+"""Dynamic shapes as plain dynamo: autoweave's own inspections add no guard, specialize no size.
+
+A selective-AC block with a reshape that depends on the sequence length and a boundary inside,
+trained at 12 distinct lengths. The ``pieces`` strategy replays each piece's graph on fake copies
+of its inputs (which inputs it changes in place); that replay once met dynamo's SymInts with
+static fake tensors and added guards such as ``Eq(128*s27, 12288)`` to dynamo's shape env: the
+frame after the break recompiled at every new length up to the recompile limit (8).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoweave
+from autoweave import _state
+from tests import break_models as bm
+from tests.models import RecompileLimitHits, recompiles
+
+DIM, HEADS = 16, 4
+LENGTHS = (64, 96, 80, 128, 72, 112, 88, 120, 104, 56, 136, 48)
+
+
+class SeqBlock(nn.Module):
+    """Attention-like glue (reshapes by the sequence length) around experts that break as an FSDP unit."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.experts = bm.fsdp_like(bm.SimpleExperts(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (
+            z.reshape(b, t, HEADS, d // HEADS).transpose(1, 2)
+            for z in self.qkv(self.norm(x)).chunk(3, dim=-1)
+        )
+        h = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d))
+        # After the break: a reshape by b * t, where a guard like Eq(128*s, 12288) came from.
+        return h + self.experts(h.reshape(b * t, d)).reshape(b, t, d)
+
+
+@pytest.fixture(autouse=True)
+def weave_on():
+    torch._dynamo.reset()
+    _state.reset()
+    assert autoweave.enable()
+    yield
+    autoweave.disable()
+    _state.reset()
+    torch._dynamo.reset()
+
+
+def _train(strategy: str | None, ac: str = "selective", mark: bool = False, **kwargs) -> dict:
+    """Per step: recompiles and graphs compiled; per frame: recompiles; recompile-limit hits."""
+    torch.manual_seed(0)
+    block = bm.with_ac(SeqBlock(), ac)
+    if strategy is not None:
+        block = autoweave.set_mode(block, strategy=strategy)
+    graphs = [0]
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs[0] += 1
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    with autoweave.disabled() if strategy is None else contextlib.nullcontext():
+        model = torch.compile(block, backend=backend, **kwargs)
+    per_step, graphs_per_step = [], []
+    with recompiles() as again, RecompileLimitHits() as hits:
+        for length in LENGTHS:
+            before, graphs_before = len(again), graphs[0]
+            x = torch.randn(2, length, DIM, requires_grad=True)
+            if mark:
+                torch._dynamo.mark_dynamic(x, 1)
+            model(x).sum().backward()
+            per_step.append(len(again) - before)
+            graphs_per_step.append(graphs[0] - graphs_before)
+    frames = Counter(compile_id.split("/")[0] for compile_id in again)
+    return {"steps": per_step, "graphs": graphs_per_step, "frames": frames, "hits": hits.messages}
+
+
+def _once_per_frame(run: dict) -> None:
+    assert run["hits"] == [], run["hits"]
+    assert all(n <= 1 for n in run["frames"].values()), run
+
+
+def test_pieces_recompile_each_frame_once_then_stay_dynamic():
+    run = _train("pieces")
+    _once_per_frame(run)
+    # Compiled at the first length, made dynamic at the second, never again.
+    assert sum(run["steps"][2:]) == 0 and sum(run["graphs"][2:]) == 0, run
+
+
+def test_auto_recompiles_each_woven_frame_once():
+    run = _train("auto")
+    _once_per_frame(run)
+    # Auto weaves at step 2 (the break is learned from step 1's fallback): its frames are new code
+    # there, and learn that the length is dynamic at their second length, step 3, as plain dynamo.
+    assert sum(run["steps"][3:]) == 0 and sum(run["graphs"][3:]) == 0, run
+
+
+@pytest.mark.parametrize("strategy", ["pieces", "auto"])
+def test_dynamic_true_compiles_nothing_after_step_1(strategy):
+    run = _train(strategy, dynamic=True)
+    _once_per_frame(run)
+    first_woven = 1 if strategy == "auto" else 0  # auto's woven frames are compiled at step 2
+    assert sum(run["steps"]) == 0 and sum(run["graphs"][first_woven + 1 :]) == 0, run
+
+
+def test_mark_dynamic_is_honoured_as_by_plain_dynamo():
+    plain = _train(None, mark=True)
+    torch._dynamo.reset()
+    woven = _train("pieces", mark=True)
+    _once_per_frame(woven)
+    # The marked frame never recompiles; the frame after the break learns once, as plain's would.
+    assert sum(woven["steps"][2:]) == 0 and sum(woven["graphs"][2:]) == 0, woven
+    assert sum(plain["steps"]) == 0, plain
+
+
+def test_full_ac_recompiles_as_plain_dynamo():
+    plain = _train(None, ac="full")
+    torch._dynamo.reset()
+    hoist = _train("hoist", ac="full")
+    _once_per_frame(hoist)
+    assert sum(hoist["steps"][2:]) == 0 and sum(plain["steps"][2:]) == 0, (hoist, plain)
