@@ -10,6 +10,7 @@ frame after the break recompiled at every new length up to the recompile limit (
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections import Counter
 
 import pytest
@@ -130,3 +131,41 @@ def test_full_ac_recompiles_as_plain_dynamo():
     hoist = _train("hoist", ac="full")
     _once_per_frame(hoist)
     assert sum(hoist["steps"][2:]) == 0 and sum(plain["steps"][2:]) == 0, (hoist, plain)
+
+
+# -- at the recompile limit the user's AC stays ------------------------------------------------
+
+
+@pytest.mark.fail_open  # the limit's warning is the point
+def test_a_pieces_block_at_the_recompile_limit_runs_under_its_checkpoint():
+    from autoweave.observe import report
+    from benchmarks.measure import forward_gemms_outside_graphs
+    from tests.models import saved_bytes
+
+    torch.manual_seed(0)
+    block = SeqBlock()
+    reference = bm.with_ac(copy.deepcopy(block), "selective")  # eager selective AC, as plain torch runs it
+    no_ac = copy.deepcopy(block)
+    model = torch.compile(
+        autoweave.set_mode(bm.with_ac(block, "selective"), strategy="pieces"), backend="aot_eager"
+    )
+    report.start(None)
+    try:
+        # Static shapes and a limit of 1: the second length hits it. That call runs eager, without
+        # the checkpoint (dynamo decides before anyone can react); every later call runs under it.
+        with torch._dynamo.config.patch(recompile_limit=1), RecompileLimitHits() as hits:
+            for length in (64, 64, 96, 96, 80):
+                x = torch.randn(2, length, DIM, requires_grad=True)
+                model(x).sum().backward()
+            assert hits.messages
+            x = torch.randn(2, 72, DIM, requires_grad=True)
+            woven, eager_sac = saved_bytes(model, x), saved_bytes(reference, x)
+            gemms = forward_gemms_outside_graphs(model, x)
+            no_ac = saved_bytes(no_ac, x)
+            model(x).sum().backward()  # a steady call after the switch: the report measures it
+    finally:
+        data = report.stop()
+    assert woven == eager_sac < no_ac, (woven, eager_sac, no_ac)
+    # The block's GEMMs (qkv, proj, the experts' linear) run eager now, and the headline says so.
+    assert gemms == 3, gemms
+    assert data["measured"]["eager_gemms"] == gemms, data["measured"]
