@@ -17,9 +17,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
 from autoweave import _state
+from autoweave.dispatch import dispatchers
+from autoweave.planning.plans import Action
 from tests import break_models as bm
 from tests.models import RecompileLimitHits, recompiles
 
@@ -48,6 +51,19 @@ class SeqBlock(nn.Module):
         return h + self.experts(h.reshape(b * t, d)).reshape(b, t, d)
 
 
+class GlueSeqBlock(bm.GlueGemmBlock):
+    """``bm.GlueGemmBlock`` (auto keeps it as pieces under a policy that saves its matmuls), its
+    combine reshaped by the token count read before the break."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        h = x + torch.tanh(self.attn(self.norm1(x)))
+        hn = self.norm2(h)
+        gates = torch.softmax(self.router(hn), dim=-1)
+        routed = self.experts(hn)
+        return h + torch.einsum("etd,te->td", routed, gates).reshape(tokens, -1)
+
+
 @pytest.fixture(autouse=True)
 def weave_on():
     torch._dynamo.reset()
@@ -59,10 +75,19 @@ def weave_on():
     torch._dynamo.reset()
 
 
-def _train(strategy: str | None, ac: str = "selective", mark: bool = False, **kwargs) -> dict:
-    """Per step: recompiles and graphs compiled; per frame: recompiles; recompile-limit hits."""
+def _train(
+    strategy: str | None, ac: str = "selective", mark: bool = False, glue: bool = False, **kwargs
+) -> dict:
+    """Per step: recompiles and graphs compiled; per frame: recompiles; recompile-limit hits.
+
+    ``glue``: ``GlueSeqBlock`` under a policy that saves its matmuls (auto keeps it as pieces),
+    its token count varying, in place of ``SeqBlock``.
+    """
     torch.manual_seed(0)
-    block = bm.with_ac(SeqBlock(), ac)
+    if glue:
+        block = cw.checkpoint_wrapper(GlueSeqBlock(DIM), context_fn=bm.POLICIES["save-matmuls"])
+    else:
+        block = bm.with_ac(SeqBlock(), ac)
     if strategy is not None:
         block = autoweave.set_mode(block, strategy=strategy)
     graphs = [0]
@@ -77,14 +102,26 @@ def _train(strategy: str | None, ac: str = "selective", mark: bool = False, **kw
     with recompiles() as again, RecompileLimitHits() as hits:
         for length in LENGTHS:
             before, graphs_before = len(again), graphs[0]
-            x = torch.randn(2, length, DIM, requires_grad=True)
+            x = (
+                torch.randn(length, DIM, requires_grad=True)
+                if glue
+                else torch.randn(2, length, DIM, requires_grad=True)
+            )
             if mark:
                 torch._dynamo.mark_dynamic(x, 1)
             model(x).sum().backward()
             per_step.append(len(again) - before)
             graphs_per_step.append(graphs[0] - graphs_before)
     frames = Counter(compile_id.split("/")[0] for compile_id in again)
-    return {"steps": per_step, "graphs": graphs_per_step, "frames": frames, "hits": hits.messages}
+    dispatcher = dispatchers.dispatcher_of(model)
+    plan = None if dispatcher is None or dispatcher.plan is None else dispatcher.plan.decision("").action
+    return {
+        "steps": per_step,
+        "graphs": graphs_per_step,
+        "frames": frames,
+        "hits": hits.messages,
+        "plan": plan,
+    }
 
 
 def _once_per_frame(run: dict) -> None:
@@ -102,16 +139,24 @@ def test_pieces_recompile_each_frame_once_then_stay_dynamic():
 def test_auto_recompiles_each_woven_frame_once():
     run = _train("auto")
     _once_per_frame(run)
-    # Auto weaves at step 2 (the break is learned from step 1's fallback): its frames are new code
-    # there, and learn that the length is dynamic at their second length, step 3, as plain dynamo.
+    # Auto measures the block's first step as pieces and moves it to hoist at step 2 (pieces hold
+    # more than eager SAC here): its frames are new code there, and learn that the length is dynamic
+    # at their second length, step 3, as plain dynamo's would.
     assert sum(run["steps"][3:]) == 0 and sum(run["graphs"][3:]) == 0, run
+
+
+def test_auto_that_keeps_pieces_recompiles_each_frame_once_then_stays_dynamic():
+    run = _train("auto", glue=True)
+    _once_per_frame(run)
+    assert run["plan"] is Action.PIECES
+    assert sum(run["steps"][2:]) == 0 and sum(run["graphs"][2:]) == 0, run
 
 
 @pytest.mark.parametrize("strategy", ["pieces", "auto"])
 def test_dynamic_true_compiles_nothing_after_step_1(strategy):
     run = _train(strategy, dynamic=True)
     _once_per_frame(run)
-    first_woven = 1 if strategy == "auto" else 0  # auto's woven frames are compiled at step 2
+    first_woven = 1 if strategy == "auto" else 0  # auto's hoist frames are compiled at step 2
     assert sum(run["steps"]) == 0 and sum(run["graphs"][first_woven + 1 :]) == 0, run
 
 
