@@ -20,6 +20,8 @@ Topics and what each publishes (positional arguments):
 - ``WOVEN_AROUND``: ``(dispatcher, fallbacks)``, a first call fell back to eager
   ``fallbacks`` times and the dispatcher re-planned around the break.
 - ``PLAN_RECORDED``: ``(entry,)``, the plan summary recorded a plan (``observe.summary.Entry``).
+- ``AC_KEPT``: ``(dispatcher,)``, a block woven as pieces reached dynamo's recompile limit and
+  runs eager under its checkpoint from the next call (``weave.keep_checkpoint``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ PLANNED = "planned"
 CALLED_AGAIN = "called-again"
 WOVEN_AROUND = "woven-around"
 PLAN_RECORDED = "plan-recorded"
+AC_KEPT = "ac-kept"
 
 # The state values a ``MOVED`` listener compares with (``dispatch.dispatchers.State``).
 PLAIN = "plain"

@@ -407,6 +407,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="global batch size, split evenly across ranks",
     )
     p.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    p.add_argument(
+        "--seq-lens",
+        default=None,
+        help="comma-separated sequence lengths, one per step in turn (packed or padded batches)",
+    )
     p.add_argument("--ac", choices=("none", "full", "selective"), default="full")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--backend", default="inductor", help='e.g. "aot_eager" for fast tests')
@@ -452,6 +457,9 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
     start = time.perf_counter()
     bar = tqdm(range(args.steps), desc="train", disable=rank != 0 or args.no_progress)
     for step in bar:
+        if args.seq_lens:
+            lengths = [int(n) for n in args.seq_lens.split(",")]
+            model_args.seq_len = lengths[step % len(lengths)]
         inputs, targets = make_batch(step, args.seed, args.batch_size, model_args)
         shard = slice(rank * local_bs, (rank + 1) * local_bs)
         inputs, targets = inputs[shard].to(device), targets[shard].to(device)

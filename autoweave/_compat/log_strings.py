@@ -43,6 +43,11 @@ HOP_CHECKPOINT_NOTE = "Higher Order Operator: torch.utils.checkpoint"
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _AT = re.compile(r"in user code at (.+?):(\d+)")
 _REASON = re.compile(r"Graph Break Reason: (.*)")
+# The function line of the recompile-limit warning: ``function: 'name' (file:line)``.
+_LIMIT_FUNCTION = re.compile(r"function: '([^']+)'")
+# The code dynamo makes to resume a frame after a graph break is named after it
+# (``torch_dynamo_resume_in_<name>_at_<line>``, torch/_dynamo/resume_execution.py).
+_RESUME = re.compile(r"torch_dynamo_resume_in_(.+)_at_\d+")
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,22 @@ class RecompileLimit:
         """The line naming the function (``function: 'name' (file:line)``), else the whole message."""
         lines = self.text.splitlines()
         return lines[1].strip() if len(lines) > 1 else self.text
+
+    @property
+    def code_name(self) -> str | None:
+        """The name of the code that hit the limit; None where the message names none."""
+        found = _LIMIT_FUNCTION.search(self.text)
+        return found.group(1) if found else None
+
+    def in_function(self, name: str) -> bool:
+        """Did the code named ``name`` hit the limit, or a resume function dynamo made of it at a break?"""
+        code = self.code_name
+        while code is not None:
+            if code == name:
+                return True
+            resumed = _RESUME.fullmatch(code)
+            code = resumed.group(1) if resumed else None
+        return False
 
     @property
     def summary(self) -> str:

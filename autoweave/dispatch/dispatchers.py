@@ -16,6 +16,7 @@ structured trace) subscribe; nothing here calls them to notify.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from types import MappingProxyType
@@ -451,6 +452,7 @@ class _Dispatcher:
                 plan,
                 _compile_function,
                 self.compile_kwargs,
+                on_ac_kept=functools.partial(_events.publish, _events.AC_KEPT, self),
             )
         self.skip_outer_checkpoint = plan.outer_push_down is not None and self._applied is not None
         self._enter(State.TRIAL if self._applied is not None else State.PLAIN, why)

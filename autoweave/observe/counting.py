@@ -134,6 +134,8 @@ def _warn_of_limit(hit: RecompileLimit) -> None:
         warn_each(
             f"recompile-limit:{hit.function}",
             f"[recompile-limit] a woven region hit dynamo's recompile limit and now runs eager: {hit.function}. "
+            "A selective-AC block woven as pieces runs under its checkpoint again from the next call "
+            "(the call that hit the limit ran without it). "
             "TORCH_LOGS=recompiles says which guard failed each time",
         )
 

@@ -29,6 +29,12 @@ def on_move(dispatcher: Any, state: str, why: str) -> None:
         dispatcher.observe_next_call(_measuring(id(dispatcher)), skip=1)
 
 
+def on_ac_kept(dispatcher: Any) -> None:
+    """``_events.AC_KEPT``: blocks now run eager under their checkpoint; measure the next call again."""
+    if report.active() and dispatcher.state.value == _events.WOVEN:
+        dispatcher.observe_next_call(_measuring(id(dispatcher)))
+
+
 def _measuring(key: int) -> Callable[[], Callable[[Any], None] | None]:
     def before() -> Callable[[Any], None] | None:
         since = counting.autograd_mark()  # None without grad: the next call is measured

@@ -27,6 +27,7 @@ _SUBSCRIPTIONS: tuple[tuple[str, Callable[..., None], str], ...] = (
     (_events.PLAN_RECORDED, trace.emit_plan, "plan listener: TORCH_TRACE writes each plan"),
     (_events.WOVEN_AROUND, report.on_woven_around, "fallback listener: the report counts those woven around"),
     (_events.MOVED, measure.on_move, "move listener: the report measures one call of each module"),
+    (_events.AC_KEPT, measure.on_ac_kept, "limit listener: the report measures a block back under its AC"),
 )
 
 

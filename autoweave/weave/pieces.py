@@ -70,10 +70,54 @@ def _returns_only_tensors(gm: Any) -> bool:
 # any view: views share their base's counter), tells which changed.
 
 
-def _fake_copies(mode: Any, values: Any) -> list[Any]:
+class _NoHint(Exception):
+    """A symbolic size without a hint (unbacked): the replay cannot be made static."""
+
+
+def _static(value: Any) -> Any:
+    """``value``'s size (or a size-like scalar) as a plain number, read from its hint: never guarded on."""
+    if isinstance(value, (int, float, bool)) or not hasattr(value, "node"):
+        return value
+    hint = _compat.size_hint(value)
+    if hint is None:
+        raise _NoHint(str(value))
+    return hint
+
+
+def _static_copy(mode: Any, value: Any) -> Any:
+    """A fake copy of ``value`` with static sizes only (the inspection must not touch dynamo's shape env)."""
     import torch
 
-    return [mode.from_tensor(v).detach().clone() if isinstance(v, torch.Tensor) else v for v in values]
+    if isinstance(value, torch.SymBool):
+        hint = getattr(value.node, "hint", None)
+        if hint is None:
+            raise _NoHint(str(value))
+        return bool(hint)
+    if not isinstance(value, torch.Tensor):
+        return _static(value)
+    symbolic = any(not isinstance(s, int) for s in (*value.shape, *value.stride(), value.storage_offset()))
+    if not symbolic:
+        return mode.from_tensor(value).detach().clone()
+    # A tensor of a trace (an outer compile's): the same layout at its hinted sizes,
+    # made fake by ``mode``, under which the caller runs this.
+    return torch.empty_strided(
+        [_static(s) for s in value.shape],
+        [_static(s) for s in value.stride()],
+        dtype=value.dtype,
+        device=value.device,
+    )
+
+
+def _fake_copies(mode: Any, values: Any) -> list[Any]:
+    """(Under ``mode``.) Static fake copies of a graph's example inputs: its SymInts (dynamic sizes) replaced by their hints.
+
+    The replay runs under a mode of autoweave's own, with no shape env; a SymInt
+    of dynamo's met by a static fake op would be compared to a plain number
+    there, and every such comparison is a guard in dynamo's shape env
+    (``Eq(128*s27, 12288)`` from a reshape): the size would be specialized and
+    the frame recompile at every new length, up to the recompile limit.
+    """
+    return [_static_copy(mode, v) for v in values]
 
 
 def _tensors(value: Any) -> list[Any]:

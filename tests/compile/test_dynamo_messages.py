@@ -101,6 +101,28 @@ def test_the_recompile_limit_warning_names_the_function() -> None:
     heard = _heard(RecompileLimit, run)
     assert heard, "dynamo's recompile-limit warning was not read"
     assert "'specialized'" in heard[0].function and _compat.RECOMPILE_LIMIT_NEEDLE in heard[0].summary
+    assert heard[0].code_name == "specialized" and heard[0].in_function("specialized")
+    assert not heard[0].in_function("special")
+
+
+def test_the_recompile_limit_of_a_resume_function_is_read_as_its_function() -> None:
+    # A woven region's frame after a break is a resume function dynamo names after the region.
+    def broken(x: torch.Tensor, n: int) -> torch.Tensor:
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * n
+
+    compiled = torch.compile(broken, backend="aot_eager", dynamic=False)
+
+    def run() -> None:
+        with torch._dynamo.config.patch(recompile_limit=2, automatic_dynamic_shapes=False):
+            for n in range(4):
+                compiled(torch.randn(4), n)
+
+    heard = _heard(RecompileLimit, run)
+    resumed = [h for h in heard if h.code_name != "broken"]
+    assert resumed and all(h.in_function("broken") for h in resumed), [h.code_name for h in heard]
+    assert not any(h.in_function("broke") for h in heard)
 
 
 def test_a_frame_dynamo_will_not_convert_is_read_with_its_error() -> None:

@@ -71,6 +71,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.weave.region_backend",
         "autoweave.weave.decorated_checkpoints",
         "autoweave.weave.first_call_memory",
+        "autoweave.weave.keep_checkpoint",
         "autoweave.weave.apply",
     ),
     # observe/: what dynamo says (counting, graph-break places, TORCH_LOGS) and what autoweave
