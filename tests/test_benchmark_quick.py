@@ -92,17 +92,19 @@ COMPILE_COST = ROOT / "benchmarks" / "compile_cost.py"
 
 @pytest.mark.slow
 def test_compile_cost_quick(tmp_path: Path) -> None:
-    """benchmarks/compile_cost.py --quick (the example's tables): one row per run, each trained, counted."""
+    """benchmarks/compile_cost.py --quick, the variable-length table: one row per run, each trained, counted.
+
+    Table c only: the depth tables run four variants per depth (minutes in CI); they share
+    the worker, its counting and the table code with this one.
+    """
     out_json = tmp_path / "cost.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOWEAVE")}
     proc = subprocess.run(
-        [sys.executable, str(COMPILE_COST), "--quick", "--tables", "b,c", "--json", str(out_json)],
+        [sys.executable, str(COMPILE_COST), "--quick", "--tables", "c", "--json", str(out_json)],
         env=env, capture_output=True, text=True, timeout=1200, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     rows = json.loads(out_json.read_text())["rows"]
-    depth = {row["variant"]: row for row in rows if row["table"] == "b"}
-    assert sorted(depth) == ["autoweave", "hand weave", "plain", "upper bound"]
     lengths = {row["setting"]: row for row in rows if row["table"] == "c"}
     assert sorted(lengths) == ["autoweave", "plain"]
     for row in rows:
@@ -111,7 +113,4 @@ def test_compile_cost_quick(tmp_path: Path) -> None:
         assert sum(row["compiles_per_step"]) == row["compiles"], row
     for row in lengths.values():
         assert len(row["compiles_per_step"]) == 3, row  # one count per step, one length per step
-    # The hand weave compiles the code autoweave compiles: the same GEMMs left outside graphs.
-    assert depth["hand weave"]["fwd_gemms_eager"] == depth["autoweave"]["fwd_gemms_eager"]
-    assert depth["plain"]["fallbacks"] >= 1 and depth["autoweave"]["fallbacks"] == 0
     assert "## c) variable lengths" in proc.stdout
