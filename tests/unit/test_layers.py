@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave._compat.lookup",
         "autoweave._compat.modules",
         "autoweave._compat.dynamo",
+        "autoweave._compat.guards",
         "autoweave._compat.backends",
         "autoweave._compat.conversion",
         "autoweave._compat.log_strings",
@@ -71,6 +72,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.weave.region_backend",
         "autoweave.weave.decorated_checkpoints",
         "autoweave.weave.first_call_memory",
+        "autoweave.weave.shared_kinds",
         "autoweave.weave.apply",
     ),
     # observe/: what dynamo says (counting, graph-break places, TORCH_LOGS) and what autoweave
