@@ -179,17 +179,21 @@ class Applied:
 
     changes: list[tuple[nn.Module, Any]] = field(default_factory=list)
     regions: dict[str, str] = field(default_factory=dict)  # module path -> region label (shared code)
+    reverted: bool = False
 
     def _set_forward(self, module: nn.Module, fn: Any) -> None:
         self.changes.append((module, install_forward(module, fn)))
 
     def install(self, module: nn.Module, path: str, opaque: bool, forward: Any, label: str) -> None:
         """Run ``module`` (at ``path``) on the region ``label``: at apply, and when its kind splits."""
+        if self.reverted:
+            return  # the kind moving a block whose plan was undone: it stays as the user built it
         # An opaque block stays out of an enclosing trace (see ``apply_plan``).
         self._set_forward(module, _compat.disable(forward, recursive=True) if opaque else forward)
         self.regions[path] = label
 
     def revert(self) -> None:
+        self.reverted = True
         for module, previous in reversed(self.changes):
             restore_forward(module, previous)
         self.changes.clear()

@@ -80,9 +80,9 @@ class KindRegion:
         if self._first is None:
             self._first = constants_of(module)
         self._blocks[module] = install
-        self._place(module, install)
+        self._place(module, install, moved_only=False)  # a plan applied again installs again
 
-    def _place(self, module: nn.Module, install: Install) -> None:
+    def _place(self, module: nn.Module, install: Install, *, moved_only: bool) -> None:
         split = self._split(constants_of(module)) if self._split_names else ()
         region = self._by_split.get(split)
         if region is None:
@@ -90,7 +90,7 @@ class KindRegion:
             self._all.append(region)
             self._listen(region)
         # A block that stays put keeps its forward: dynamo guards on it, a new one recompiles.
-        if self._placed.get(module) != region[3]:
+        if not moved_only or self._placed.get(module) != region[3]:
             self._placed[module] = region[3]
             install(functools.partial(region[0], module), region[3])
 
@@ -108,7 +108,7 @@ class KindRegion:
         # The base region keeps the block it was compiled for (its guards hold that block's values).
         self._by_split = {self._split(self._first or ()): self._base}
         for module, install in list(self._blocks.items()):
-            self._place(module, install)
+            self._place(module, install, moved_only=True)
 
     def _split(self, constants: tuple[tuple[str, str, Any], ...]) -> tuple:
         return tuple(c for c in constants if c[1] in self._split_names)
