@@ -9,6 +9,7 @@ issue that would retire it, at the workaround:
 - ``lookup``: finding a torch name by path; ``UnsupportedTorch``.
 - ``modules``: private attributes of torch's modules and wrappers (OptimizedModule,
   CheckpointWrapper, FSDP, nn.Module's stores and hooks).
+- ``guards``: what dynamo guards a compiled function on (its cache entries' guards).
 - ``dynamo``: dynamo's counters, callbacks, code resets, the compile in progress.
 - ``backends``: the backend ``torch.compile`` builds, and wrapping it unchanged.
 - ``conversion``: failing open inside dynamo (suppressed errors, compiling a skipped frame again).
@@ -57,6 +58,7 @@ from autoweave._compat.dynamo import (
     code_being_compiled,
     compile_callbacks,
     disable,
+    disabled_original,
     dynamo_counters,
     dynamo_disabled,
     fullgraph_break,
@@ -66,6 +68,7 @@ from autoweave._compat.dynamo import (
     torch_logging_internal,
     trace_structured,
 )
+from autoweave._compat.guards import guarded_attributes
 from autoweave._compat.log_strings import (
     FALLBACK_LOGGER,
     FALLBACK_NEEDLE,
@@ -91,6 +94,7 @@ from autoweave._compat.modules import (
     forward_hook_dicts,
     fsdp1_module,
     fsdp2_module,
+    hooks_of,
     optimized_module,
     register_module_registration_hook,
     set_compiled_call,
@@ -136,11 +140,14 @@ __all__ = [
     "compiled_inner",
     "converting_code",
     "disable",
+    "disabled_original",
     "dynamo_counters",
     "dynamo_disabled",
     "fake_tensor_mode",
     "find",
     "forward_hook_dicts",
+    "guarded_attributes",
+    "hooks_of",
     "fsdp1_module",
     "fsdp2_module",
     "fullgraph_break",

@@ -66,6 +66,11 @@ def dynamo_disabled(fn: Any) -> bool:
     return False
 
 
+def disabled_original(fn: Any) -> Any:
+    """The function ``torch.compiler.disable`` wrapped to make ``fn`` (None: ``fn`` is not such a wrapper)."""
+    return getattr(fn, "__wrapped__", None) if getattr(fn, "_torchdynamo_disable", False) else None
+
+
 def disable(fn: Any, *, recursive: bool) -> Any:
     import torch
 

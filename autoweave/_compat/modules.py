@@ -89,6 +89,17 @@ def forward_hook_dicts(module: Any) -> tuple[dict[int, Any], dict[int, Any]]:
     return module._forward_pre_hooks, module._forward_hooks
 
 
+# nn.Module's per-instance hook stores that change what a call runs (not the ``*_with_kwargs``
+# / ``*_always_called`` flags, which only qualify entries of these).
+HOOK_STORES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def hooks_of(module: Any) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """``module``'s own hooks, store by store, in the order they run (nn.Module has no public list)."""
+    stores = vars(module)
+    return tuple((name, tuple(stores.get(name, {}).values())) for name in HOOK_STORES)
+
+
 def call_impl(module: Any) -> Any:
     """``module._call_impl``, what ``nn.Module.compile`` compiles (torch 2.2+)."""
     return module._call_impl

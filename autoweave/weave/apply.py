@@ -19,7 +19,7 @@ from autoweave import _compat
 from autoweave._instances import install_forward, restore_forward
 from autoweave._log import logger
 from autoweave._state import run
-from autoweave.planning import memory, sources
+from autoweave.planning import memory
 from autoweave.planning.boundaries import own_forward, user_forward
 from autoweave.planning.learned import verdict_of
 from autoweave.planning.plans import Action, Plan
@@ -28,6 +28,7 @@ from autoweave.weave.first_call_memory import FirstCall
 from autoweave.weave.keep_checkpoint import AtRecompileLimit, PiecesBlock
 from autoweave.weave.pieces import CheckpointPieces
 from autoweave.weave.region_backend import RegionBackend, region_kwargs
+from autoweave.weave.shared_kinds import KindRegion
 
 _labels = itertools.count()
 
@@ -109,12 +110,16 @@ def _private_region(call: Callable[..., Any], checkpoint_fn: Any, label: str) ->
 
 
 def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]) -> tuple:
-    """Regions with equal keys run the same code on same-shaped modules: they share one cache."""
+    """Regions with equal keys run the same code on same-shaped modules: they share one cache.
+
+    Numbers on the modules (``layer_idx``) are not in it: a kind splits on one only
+    when dynamo guards on it (``shared_kinds``).
+    """
     shapes = tuple(
         (name, type(t).__name__, tuple(t.shape), t.dtype)
         for name, t in (*module.named_parameters(), *module.named_buffers())
     )
-    structure = tuple((name, type(m), _constants_read(m)) for name, m in module.named_modules())
+    structure = tuple((name, type(m), _hooks(m)) for name, m in module.named_modules())
     spec = decision.checkpoint
     checkpoint = (
         None
@@ -135,38 +140,33 @@ def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]
     )
 
 
-# Numbers, strings and flags on a module that its forward reads: dynamo specializes
-# on them (a guard ``self.layer_idx == 3``), so modules that differ in one cannot
-# share a graph. Sharing their code anyway only stacks their graphs in one cache,
-# where transformers' decoder layers (``layer_idx`` picks a cache slot, whose
-# state the recompute sees changed) ran past dynamo's recompile limit: the
-# recompute of a compiled forward then ran eager and the checkpoint failed.
-_CONSTANT_TYPES = (bool, int, float, str, type(None))
+# Hooks change what a block runs, and dynamo does not guard on them
+# (``skip_nnmodule_hook_guards``): a block whose hook differs from its neighbours'
+# would run their compiled code, its hook gone from the second call on. Hooks torch's
+# distributed wrappers install (FSDP2's, a bound method of each unit's own state)
+# and autoweave's own do the same for every block: they do not split a kind.
+_UNIFORM_HOOK_MODULES = ("torch.distributed", "autoweave")
 
 
-def _constants_read(module: nn.Module) -> tuple:
-    read = _attributes_read(type(module))
+def _hooks(module: nn.Module) -> tuple:
     return tuple(
-        sorted(
-            (name, value)
-            for name, value in vars(module).items()
-            if name in read and not name.startswith("_") and type(value) in _CONSTANT_TYPES
-        )
+        (store, tuple(_hook_identity(hook) for hook in hooks if not _uniform_hook(hook)))
+        for store, hooks in _compat.hooks_of(module)
     )
 
 
-@functools.lru_cache(maxsize=512)
-def _attributes_read(cls: type) -> frozenset[str]:
-    """Attribute names the class's forward loads (through decorators' ``__wrapped__``)."""
-    names: set[str] = set()
-    fn = getattr(cls, "forward", None)
-    for _ in range(8):
-        code = getattr(fn, "__code__", None)
-        if code is None:
-            break
-        names.update(sources.attribute_lines(code))
-        fn = getattr(fn, "__wrapped__", None)
-    return frozenset(names)
+def _hook_identity(hook: Any) -> Any:
+    # ``torch.compiler.disable(f)`` makes a new wrapper per call: hooks disabled per
+    # block over one function are the same hook (the wrapper adds no state of its own).
+    original = _compat.disabled_original(hook)
+    if original is not None:
+        return ("dynamo-disabled", _hook_identity(original))
+    return memory.identity(hook)
+
+
+def _uniform_hook(hook: Any) -> bool:
+    owner = getattr(getattr(hook, "func", hook), "__module__", None) or ""
+    return owner.startswith(_UNIFORM_HOOK_MODULES)
 
 
 def _label(path: str, module: nn.Module) -> str:
@@ -181,14 +181,24 @@ class Applied:
     changes: list[tuple[nn.Module, Any]] = field(default_factory=list)
     regions: dict[str, str] = field(default_factory=dict)  # module path -> region label (shared code)
     at_limit: AtRecompileLimit | None = None  # pieces blocks back under their checkpoint at the limit
+    reverted: bool = False
 
     def _set_forward(self, module: nn.Module, fn: Any) -> None:
         self.changes.append((module, install_forward(module, fn)))
+
+    def install(self, module: nn.Module, path: str, opaque: bool, forward: Any, label: str) -> None:
+        """Run ``module`` (at ``path``) on the region ``label``: at apply, and when its kind splits."""
+        if self.reverted:
+            return  # the kind moving a block whose plan was undone: it stays as the user built it
+        # An opaque block stays out of an enclosing trace (see ``apply_plan``).
+        self._set_forward(module, _compat.disable(forward, recursive=True) if opaque else forward)
+        self.regions[path] = label
 
     def revert(self) -> None:
         if self.at_limit is not None:
             self.at_limit.stop()
             self.at_limit = None
+        self.reverted = True
         for module, previous in reversed(self.changes):
             restore_forward(module, previous)
         self.changes.clear()
@@ -223,8 +233,8 @@ def _region_forward(
     compile_fn: Callable[..., Any],
     kwargs: dict[str, Any],
     pieces: list[CheckpointPieces] | None = None,
-) -> tuple[Callable[..., Any], str]:
-    """The compiled forward to install on ``module``, and its region label.
+) -> tuple[Callable[..., Any] | KindRegion, str]:
+    """The compiled forward to install on ``module`` (or the kind that installs it), and its region label.
 
     A region compiled as pieces appends its ``CheckpointPieces`` to ``pieces``.
     """
@@ -249,18 +259,42 @@ def _region_forward(
             region_kw, backend = _backend_kwargs(kwargs, label, pieces_fn)
         _pieces_of_region(backend, pieces)
         return compile_fn(_private_region(own, checkpoint_fn, label), **region_kw), label
-    # One compiled region, and one backend, per kind: identical blocks share both.
-    label, region_kw, backend = _kind_backend(key, decision, module, kwargs, pieces_fn)
+    # One compiled region, and one backend, per kind: identical blocks share both,
+    # until dynamo guards on a number that differs between them (``shared_kinds``).
     if key not in run.shared_regions:
-        run.shared_regions[key] = compile_fn(
-            on_own_code(type(module).forward, label, through_wrappers=True)
-            if decision.splits and checkpoint_fn is None and _user_code(type(module).forward)
-            else _shared_region(type(module).forward, checkpoint_fn, label),
-            **region_kw,
+        run.shared_regions[key] = KindRegion(
+            functools.partial(_build_kind_region, key, decision, module, compile_fn, kwargs, pieces_fn)
         )
+    kind = run.shared_regions[key]
+    _, _, backend, label = kind.base
     # Every block of the kind measures through the one backend its graphs were cut by.
     _pieces_of_region(backend, pieces)
-    return functools.partial(run.shared_regions[key], module), label
+    return kind, label
+
+
+def _build_kind_region(
+    key: tuple,
+    decision: Any,
+    module: nn.Module,
+    compile_fn: Callable[..., Any],
+    kwargs: dict[str, Any],
+    pieces_fn: Any,
+    split: tuple,
+) -> tuple[Callable[..., Any], Callable[..., Any], RegionBackend | None, str]:
+    """The region of kind ``key`` for the blocks whose guarded numbers are ``split``, on code of its own."""
+    label, region_kw, backend = _kind_backend(
+        (*key, split) if split else key, decision, module, kwargs, pieces_fn
+    )
+    checkpoint_fn = (
+        None if decision.checkpoint is None or pieces_fn is not None else decision.checkpoint.checkpoint_fn
+    )
+    forward = type(module).forward
+    region = (
+        on_own_code(forward, label, through_wrappers=True)
+        if decision.splits and checkpoint_fn is None and _user_code(forward)
+        else _shared_region(forward, checkpoint_fn, label)
+    )
+    return compile_fn(region, **region_kw), region, backend, label
 
 
 def _kind_backend(
@@ -344,8 +378,15 @@ def apply_plan(
                 # A region that splits is checked at its first call instead (see runtime).
                 kwargs["fullgraph"] = bool(kwargs.get("fullgraph")) and not decision.splits
                 below = pieces.setdefault(id(decision.checkpoint), []) if decision.pieces else None
-                forward, label = _region_forward(module, decision, compile_fn, kwargs, below)
+                region, label = _region_forward(module, decision, compile_fn, kwargs, below)
                 applied.regions[decision.path] = label
+                if isinstance(region, KindRegion):
+                    # The kind installs the block's forward, now and when it splits.
+                    region.bind(
+                        module, functools.partial(applied.install, module, decision.path, decision.opaque)
+                    )
+                    continue
+                forward = region
             elif decision.action is Action.PIECES and plan.asked == "auto" and verdict_of(module) is None:
                 # auto chose pieces for this selective AC: whether they hold more than
                 # eager SAC would is measured at the first call (see ``memory``).

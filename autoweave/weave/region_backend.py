@@ -93,6 +93,9 @@ class RegionBackend:
     def __init__(self, inner: Callable[..., Any], label: str, checkpoint_fn: Any = None) -> None:
         self.inner = inner
         self.label = label
+        # Told before each graph dynamo hands this backend (``shared_kinds`` reads the kind's
+        # guards then): nothing runs on a call that compiles nothing.
+        self.before_graph: list[Callable[[], None]] = []
         # The region's checkpoint, applied to each graph piece; None: graphs compiled as they are.
         self.pieces = None if checkpoint_fn is None else CheckpointPieces(checkpoint_fn, label)
         # torch.compile names its wrapper after this (``compiler_name``), and dynamo
@@ -100,6 +103,11 @@ class RegionBackend:
         self.__name__ = str(getattr(inner, "compiler_name", None) or getattr(inner, "__name__", "backend"))
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        for listener in self.before_graph:
+            try:
+                listener()
+            except Exception as exc:  # reading evidence must never fail a compile
+                logger.debug("a listener of %s failed", self.label, exc_info=exc)
         if not _observers:
             return self._compile(gm, example_inputs)
         ops = ops_in(gm)  # before the backend, which may rewrite the graph

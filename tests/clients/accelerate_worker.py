@@ -67,6 +67,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--compile", choices=("regional", "whole", "none"), default="regional")
     p.add_argument("--nograd", action="store_true", help="one no_grad forward before training")
+    p.add_argument(
+        "--use-cache",
+        choices=("config", "true", "false"),
+        default="config",
+        help="the model config's use_cache (default: left as Qwen3MoeConfig sets it, True)",
+    )
     p.add_argument("--save", default=None, help="save the trained model here (accelerate's save_model)")
     p.add_argument(
         "--measure", action="store_true", help="profile GEMMs, backward GEMMs and activation memory"
@@ -100,6 +106,8 @@ def main() -> None:
             num_experts_per_tok=2,
             max_position_embeddings=64,
         )
+        if args.use_cache != "config":
+            cfg.use_cache = args.use_cache == "true"
         model = Qwen3MoeForCausalLM(cfg)
         experts_cls = type(model.model.layers[0].mlp.experts).__name__
         wrapped = (

@@ -1,0 +1,121 @@
+"""Identical blocks share one region unless dynamo specializes on what differs (issue 27).
+
+transformers' decoder layers mention ``self.layer_idx`` in their forward but read
+it only when a cache is passed. Without a cache dynamo does not guard on it, so
+every layer shares one region (compile cost flat in depth); with a cache it does,
+and each layer then needs a region of its own, or they stack past dynamo's
+recompile limit. A hook on one of several identical blocks changes what that
+block runs, which dynamo does not guard on: it is part of the block's identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+import autoweave
+from autoweave.dispatch import dispatchers
+from autoweave.observe import counting
+from tests.compile.test_layer_state import Cache, Experts
+from tests.models import Block, RecompileLimitHits, make_break
+
+pytestmark = pytest.mark.usefixtures("weave_on")
+
+DIM = 8
+
+
+class Layer(nn.Module):
+    """A decoder layer that picks its cache slot by ``layer_idx`` only when given a cache."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.q = nn.Linear(DIM, DIM)
+        self.experts = make_break(Experts())
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
+        keys = self.q(x)
+        if cache is not None:
+            keys = cache.layers[self.layer_idx].update(keys)[-x.shape[0] :]
+        h = x + keys.tanh()
+        return h + self.out(self.experts(h))
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int, use_cache: bool) -> None:
+        super().__init__()
+        self.use_cache = use_cache
+        self.layers = nn.ModuleList(cw.checkpoint_wrapper(Layer(i)) for i in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cache = Cache(len(self.layers)) if self.use_cache else None
+        for layer in self.layers:
+            x = layer(x, cache)
+        return x
+
+
+def _train(layers: int, *, use_cache: bool, on: bool = True, steps: int = 2) -> tuple[list[float], int, int]:
+    """Losses, compiled graphs and woven region labels of a regionally compiled stack (accelerate's order)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Stack(layers, use_cache)
+    cap = counting.Capture()
+    with autoweave.disabled() if not on else contextlib.nullcontext():
+        for layer in model.layers:
+            layer.compile(backend=cap.backend())
+    x = torch.randn(4, DIM)
+    losses = []
+    for _ in range(steps):
+        loss = model(x).square().mean()
+        loss.backward()
+        losses.append(loss.item())
+    labels = {
+        label
+        for layer in model.layers
+        if on
+        for label in dispatchers.dispatcher_of(layer)._applied.regions.values()
+    }
+    return losses, cap.graph_count, len(labels)
+
+
+def test_layers_that_mention_an_index_they_do_not_read_share_one_region() -> None:
+    _, graphs_2, labels_2 = _train(2, use_cache=False)
+    _, graphs_6, labels_6 = _train(6, use_cache=False)
+    assert (graphs_6, labels_6) == (graphs_2, labels_2), ((graphs_2, labels_2), (graphs_6, labels_6))
+
+
+def test_layers_that_read_their_index_train_past_the_recompile_limit() -> None:
+    # Ten layers, each guarded on its index and its slot's state: twenty graphs for one code
+    # object would pass dynamo's limit (8), and the checkpoint's recompute would then fail.
+    plain, _, _ = _train(10, use_cache=True, on=False)
+    with RecompileLimitHits() as hits:
+        woven, _, labels = _train(10, use_cache=True)
+    assert hits.messages == []
+    assert woven == pytest.approx(plain, rel=1e-5)
+    assert labels > 1  # split off the shared region on dynamo's guards
+
+
+def test_a_hook_on_one_of_identical_blocks_runs_at_every_step() -> None:
+    def run(on: bool) -> list[float]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        blocks = [Block(DIM) for _ in range(4)]
+        # On a submodule: traced inside the block's region, where dynamo does not guard on it.
+        blocks[2].out.register_forward_hook(lambda module, args, out: out * 3.0)
+        model = nn.Sequential(*(cw.checkpoint_wrapper(b) for b in blocks))
+        with autoweave.disabled() if not on else contextlib.nullcontext():
+            compiled = torch.compile(model, backend="aot_eager") if on else model
+        x = torch.randn(4, DIM)
+        losses = []
+        for _ in range(3):
+            loss = compiled(x).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+        return losses
+
+    assert run(on=True) == pytest.approx(run(on=False), rel=1e-5)
