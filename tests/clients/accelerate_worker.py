@@ -12,8 +12,9 @@ multi-CPU DDP, so its state is set to FSDP with the plugin after construction
 ``acc.state.fsdp_plugin = plugin``).
 Nothing else.
 
-``--use-cache false`` passes ``use_cache=False`` to the model, as training code does (the config's
-default, ``True``, is what runs without it: accelerate's AC does not turn the cache off).
+``--use-cache false`` sets ``use_cache=False`` on the model's config and passes it to the model, as
+training code does (the config's default, ``True``, is what runs without it: accelerate's AC does not
+turn the cache off).
 ``--variant`` (benchmarks/compile_cost.py) builds two references beside accelerate's own path:
 ``upper_bound`` wraps (FSDP and AC) only the decoder layers, so the experts have no unit of their
 own and nothing breaks the graph; ``hand_weave`` is accelerate's regional compile with one change
@@ -71,16 +72,13 @@ def main() -> None:
         "--use-cache",
         choices=("config", "true", "false"),
         default="config",
-        help="the model config's use_cache (default: left as Qwen3MoeConfig sets it, True)",
+        help="use_cache for the model's config and call (default: as Qwen3MoeConfig sets it, True)",
     )
     p.add_argument("--save", default=None, help="save the trained model here (accelerate's save_model)")
     p.add_argument(
         "--measure", action="store_true", help="profile GEMMs, backward GEMMs and activation memory"
     )
     p.add_argument("--gemms", action="store_true", help="profile the forward's GEMMs only (no other measure)")
-    p.add_argument(
-        "--use-cache", choices=("true", "false"), default=None, help="use_cache for the model call"
-    )
     p.add_argument("--variant", choices=("accelerate", "upper_bound", "hand_weave"), default="accelerate")
     args = p.parse_args()
 
@@ -141,7 +139,7 @@ def main() -> None:
             accelerate.accelerator.compile_regions_fsdp2 = hand_weave_regions
         model, opt = acc.prepare(model, opt)
         ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-        call = {} if args.use_cache is None else {"use_cache": args.use_cache == "true"}
+        call = {} if args.use_cache == "config" else {"use_cache": args.use_cache == "true"}
         if args.nograd:
             with torch.no_grad():
                 model(input_ids=ids, **call)

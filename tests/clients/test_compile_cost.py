@@ -1,10 +1,11 @@
 """Compile cost as counts, not times (issue 27): flat in depth, and nothing compiled after step 2 as lengths vary.
 
 Counted the way ``benchmarks/compile_cost.py`` counts (``_common.Metrics``: frames are the distinct
-frame ids of dynamo's compile-start callbacks). Both failed on the code of issue 27's filing. The
-lengths test passes since the pieces' fake replay stopped specializing the sequence length (it ran
-on static copies beside symbolic sizes); the depth test is a strict xfail until its fix lands. A run
-that does not train fails the test outright: only the count raises the expected exception.
+frame ids of dynamo's compile-start callbacks). Both failed on the code of issue 27's filing (as
+strict xfails, they flipped when the fixes landed): the depth test passes since identical layers share
+one region unless dynamo's guards tell them apart (a region key held every number a forward
+mentioned, ``layer_idx`` included); the lengths test since the pieces' fake replay stopped
+specializing the sequence length (it ran on static copies beside symbolic sizes).
 """
 
 from __future__ import annotations
@@ -25,12 +26,6 @@ class CountNotFlat(Exception):
     """A compile count grew where issue 27 wants it flat."""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CountNotFlat,
-    reason="issue 27: a region's key holds every constant a forward mentions (layer_idx), "
-    "so every transformers decoder layer compiles its own frames",
-)
 def test_transformers_frames_do_not_grow_with_depth(client_run):
     _runner.require("accelerate")
     _runner.require("transformers")
