@@ -174,11 +174,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="2 layers, use_cache=False, 3 lengths, selective AC")
     p.add_argument("--tables", default="a,b,c")
+    p.add_argument("--layers", default=None, help="comma list of depths for tables a and b (default 2,8,16)")
     p.add_argument("--json", default=None)
     p.add_argument("--md", default=None)
     a = p.parse_args(argv)
     tables = set(a.tables.split(","))
-    layers = [2] if a.quick else [2, 8, 16]
+    layers = [int(n) for n in a.layers.split(",")] if a.layers else [2] if a.quick else [2, 8, 16]
     caches = ["false"] if a.quick else ["false", "true"]
     lengths = list(LENGTHS[:3] if a.quick else LENGTHS)
     rows: list[dict[str, Any]] = []
