@@ -30,7 +30,7 @@ This module only re-exports, so ``from autoweave import _compat; _compat.name``
 reads the same wherever a name lives.
 """
 
-from autoweave._compat.backends import BackendWrapper, lookup_backend, wrap_backend
+from autoweave._compat.backends import BackendWrapper, ForwardsToInner, lookup_backend, wrap_backend
 from autoweave._compat.checkpoints import (
     CHECKPOINT_CONTEXT_FN_KEY,
     autograd_sequence_nr,
@@ -110,6 +110,7 @@ from autoweave._compat.version import (
 
 __all__ = [
     "BackendWrapper",
+    "ForwardsToInner",
     "CHECKPOINT_CONTEXT_FN_KEY",
     "CHECKPOINT_WRAPPED",
     "CHECKPOINT_WRAPPER_MODULE",

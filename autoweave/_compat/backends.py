@@ -47,7 +47,32 @@ def compile_backend(
     return wrapper(backend, mode, options, dynamic)
 
 
-class BackendWrapper:
+class ForwardsToInner:
+    """What a backend wrapping ``inner`` must hand on so dynamo treats ``inner`` as it would alone.
+
+    ``__name__`` (torch.compile names its wrapper after it, ``compiler_name``, and
+    dynamo treats a registered name as a built-in backend), ``reset`` (dynamo resets
+    every backend it cached at ``torch._dynamo.reset()``) and, from torch 2.15,
+    ``_dynamo_backend_init`` (a no-argument set-up hook dynamo reads off the backend
+    at ``torch.compile()``; torch's own wrapper forwards it the same way: hidden,
+    the wrapped backend would skip its set-up).
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.__name__ = str(getattr(inner, "compiler_name", None) or getattr(inner, "__name__", "backend"))
+
+    def reset(self) -> None:
+        reset = getattr(self.inner, "reset", None)
+        if reset is not None:
+            reset()
+
+    @property
+    def _dynamo_backend_init(self) -> Any:
+        return getattr(self.inner, "_dynamo_backend_init", None)
+
+
+class BackendWrapper(ForwardsToInner):
     """A backend around ``inner`` that dynamo treats as ``inner``: same name, equal when it is.
 
     dynamo matches a frame's cached graphs to the current backend with ``==``;
@@ -57,30 +82,11 @@ class BackendWrapper:
     their shared code until the recompile limit, then run eager.
     """
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        # torch.compile names its wrapper after this (``compiler_name``), and dynamo
-        # treats a registered name as a built-in backend: keep the inner one's.
-        self.__name__ = str(getattr(inner, "compiler_name", None) or getattr(inner, "__name__", "backend"))
-
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and bool(self.inner == other.inner)  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
         return hash(type(self.inner))  # equal wrappers wrap equal backends, of one type
-
-    def reset(self) -> None:
-        reset = getattr(self.inner, "reset", None)
-        if reset is not None:
-            reset()
-
-    @property
-    def _dynamo_backend_init(self) -> Any:
-        # torch 2.15+: a backend's no-argument set-up hook, which dynamo reads off the
-        # backend at torch.compile() (``getattr(backend, "_dynamo_backend_init", None)``);
-        # torch's own wrapper forwards it the same way. Hidden, a wrapped backend would
-        # skip its set-up whenever autoweave (or its report) wraps it.
-        return getattr(self.inner, "_dynamo_backend_init", None)
 
 
 def wrap_backend(kwargs: dict[str, Any], wrap: Any) -> dict[str, Any]:

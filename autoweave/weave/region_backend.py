@@ -87,20 +87,21 @@ def observe_graphs(observer: GraphObserver) -> Callable[[], None]:
     return undo
 
 
-class RegionBackend:
-    """The backend of one kind of woven region (see the module docstring)."""
+class RegionBackend(_compat.ForwardsToInner):
+    """The backend of one kind of woven region (see the module docstring).
+
+    Its identity is its own (no ``__eq__``): one object per kind of region is what
+    identical blocks share.
+    """
 
     def __init__(self, inner: Callable[..., Any], label: str, checkpoint_fn: Any = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.label = label
         # Told before each graph dynamo hands this backend (``shared_kinds`` reads the kind's
         # guards then): nothing runs on a call that compiles nothing.
         self.before_graph: list[Callable[[], None]] = []
         # The region's checkpoint, applied to each graph piece; None: graphs compiled as they are.
         self.pieces = None if checkpoint_fn is None else CheckpointPieces(checkpoint_fn, label)
-        # torch.compile names its wrapper after this (``compiler_name``), and dynamo
-        # treats a registered name as a built-in backend: keep the inner one's.
-        self.__name__ = str(getattr(inner, "compiler_name", None) or getattr(inner, "__name__", "backend"))
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         for listener in self.before_graph:
@@ -148,20 +149,6 @@ class RegionBackend:
                 observer(graph)
             except Exception as exc:  # an observer must never fail a compile
                 logger.debug("a graph observer failed on %s", self.label, exc_info=exc)
-
-    def reset(self) -> None:
-        # dynamo resets every backend it cached (``torch._dynamo.reset()``).
-        reset = getattr(self.inner, "reset", None)
-        if reset is not None:
-            reset()
-
-    @property
-    def _dynamo_backend_init(self) -> Any:
-        # torch 2.15+: a backend's no-argument set-up hook, which dynamo reads off the
-        # backend at torch.compile() (``getattr(backend, "_dynamo_backend_init", None)``);
-        # torch's own wrapper forwards it the same way. Hidden, the user's backend
-        # would skip its set-up whenever autoweave weaves it.
-        return getattr(self.inner, "_dynamo_backend_init", None)
 
 
 def region_kwargs(kwargs: dict[str, Any], label: str, checkpoint_fn: Any = None) -> dict[str, Any]:

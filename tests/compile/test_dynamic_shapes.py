@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import _state
 from autoweave.dispatch import dispatchers
 from autoweave.planning.plans import Action
 from tests import break_models as bm
@@ -28,6 +27,8 @@ from tests.models import RecompileLimitHits, recompiles
 
 DIM, HEADS = 16, 4
 LENGTHS = (64, 96, 80, 128, 72, 112, 88, 120, 104, 56, 136, 48)
+
+pytestmark = pytest.mark.usefixtures("weave_on")
 
 
 class SeqBlock(nn.Module):
@@ -62,17 +63,6 @@ class GlueSeqBlock(bm.GlueGemmBlock):
         gates = torch.softmax(self.router(hn), dim=-1)
         routed = self.experts(hn)
         return h + torch.einsum("etd,te->td", routed, gates).reshape(tokens, -1)
-
-
-@pytest.fixture(autouse=True)
-def weave_on():
-    torch._dynamo.reset()
-    _state.reset()
-    assert autoweave.enable()
-    yield
-    autoweave.disable()
-    _state.reset()
-    torch._dynamo.reset()
 
 
 def _train(
