@@ -17,11 +17,16 @@ the callable torch would have built from the user's ``backend``/``mode``/
   ``observe_graphs``): observing hands dynamo the very same backend, so a run
   with the report on compiles exactly what a run without it does.
 
-Identity is the object's own: ``apply`` builds one backend per region key, so
-identical blocks share it by construction, and dynamo (which matches a
-frame's cached graphs to the current backend with ``==``) shares their graphs.
-(The one exception: a region of an instance-level forward under pieces has one
-of its own, since its pieces measure what that region holds.)
+``apply`` builds one backend per region key, so identical blocks share it by
+construction, and dynamo (which matches a frame's cached graphs to the current
+backend with ``==``) shares their graphs. (The one exception: a region of an
+instance-level forward under pieces has one of its own, since its pieces
+measure what that region holds.) Backends of different regions compare equal
+when they compile alike (the same inner backend, no pieces), as torch's own
+wrappers do: a submodule's class ``forward`` that dynamo traces as a frame of
+its own after a break (it runs on the class's shared code) is reached from the
+regions of every layer, and unequal backends would recompile it per layer up
+to the recompile limit.
 """
 
 from __future__ import annotations
@@ -88,11 +93,7 @@ def observe_graphs(observer: GraphObserver) -> Callable[[], None]:
 
 
 class RegionBackend(_compat.ForwardsToInner):
-    """The backend of one kind of woven region (see the module docstring).
-
-    Its identity is its own (no ``__eq__``): one object per kind of region is what
-    identical blocks share.
-    """
+    """The backend of one kind of woven region (see the module docstring)."""
 
     def __init__(self, inner: Callable[..., Any], label: str, checkpoint_fn: Any = None) -> None:
         super().__init__(inner)
@@ -102,6 +103,21 @@ class RegionBackend(_compat.ForwardsToInner):
         self.before_graph: list[Callable[[], None]] = []
         # The region's checkpoint, applied to each graph piece; None: graphs compiled as they are.
         self.pieces = None if checkpoint_fn is None else CheckpointPieces(checkpoint_fn, label)
+
+    def __eq__(self, other: object) -> bool:
+        # Equal when compiling alike: the same inner backend and no pieces (a pieces
+        # backend checkpoints its graphs its own way: equal to itself only).
+        if other is self:
+            return True
+        return (
+            type(other) is type(self)
+            and self.pieces is None
+            and other.pieces is None  # type: ignore[attr-defined]
+            and bool(self.inner == other.inner)  # type: ignore[attr-defined]
+        )
+
+    def __hash__(self) -> int:
+        return hash(type(self.inner))  # equal backends wrap equal inner backends, of one type
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         for listener in self.before_graph:

@@ -136,3 +136,35 @@ def test_blocks_with_an_instance_forward_share_the_graphs_past_their_break() -> 
     assert dispatchers.dispatcher_of(compiled).plan.woven
     assert (hits.messages, len(again)) == ([], 0)
     assert cap.graph_count <= 4, cap.graph_count
+
+
+def _keep(index: int, module, args, output):
+    return output  # a hook of each block's own: part of its identity, so each block is a kind of its own
+
+
+def test_a_submodule_frame_reached_from_many_kinds_of_region_compiles_once_per_kind_of_graph() -> None:
+    # Each block its own kind of region (a hook of its own); each block's MoE breaks at its
+    # experts, so dynamo traces ``MoE.forward`` as a frame of its own, on the class's shared
+    # code, from every block's region. Region backends that compile alike must compare equal,
+    # as torch's own wrappers do, or that frame recompiles per block up to the recompile limit
+    # and then runs eager (accelerate's Qwen3-MoE at 10 layers hit it).
+    from tests.models import RecompileLimitHits
+
+    torch.manual_seed(0)
+    blocks = []
+    for index in range(10):
+        block = Block()
+        block.out.register_forward_hook(functools.partial(_keep, index))
+        blocks.append(torch.compile(cw.checkpoint_wrapper(block), backend="aot_eager"))
+    x = torch.randn(4, 8, requires_grad=True)
+    with RecompileLimitHits() as hits:
+        for _ in range(2):
+            y = x
+            for block in blocks:
+                y = block(y)
+            y.square().mean().backward()
+    assert all(dispatchers.dispatcher_of(b).woven for b in blocks)
+    assert (
+        len({label for b in blocks for label in dispatchers.dispatcher_of(b)._applied.regions.values()}) >= 10
+    )
+    assert hits.messages == []
