@@ -4,6 +4,7 @@ the backend they hold: its name and its set-up hook."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autoweave import _compat
 from autoweave.observe import report
@@ -44,6 +45,17 @@ def test_plain_counting_wrappers_compare_equal_when_their_backends_do() -> None:
     assert wrapped == again and hash(wrapped) == hash(again)
 
 
-def test_a_region_backend_is_its_own_identity() -> None:
-    # Identical blocks share one backend object by construction (one per region key), not by ==.
-    assert RegionBackend(_backend, "a") != RegionBackend(_backend, "a")
+def test_region_backends_are_equal_when_they_compile_alike() -> None:
+    # Identical blocks share one backend object by construction (one per region key). Backends of
+    # different regions compare equal when they compile alike, as torch's own wrappers do: a class
+    # forward traced as a frame of its own is reached from every layer's region.
+    a, b = RegionBackend(_backend, "a"), RegionBackend(_backend, "b")
+    assert a == b and hash(a) == hash(b)
+    assert RegionBackend(_backend, "a") != RegionBackend(lambda gm, inputs: gm, "a")
+    # A pieces backend checkpoints its graphs its own way: equal to itself only.
+    pieces = RegionBackend(_backend, "p", checkpoint_fn=torch.utils.checkpoint.checkpoint)
+    assert (
+        pieces == pieces
+        and pieces != a
+        and pieces != RegionBackend(_backend, "p", torch.utils.checkpoint.checkpoint)
+    )
