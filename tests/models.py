@@ -118,6 +118,16 @@ def saved_bytes(model: nn.Module, *args: torch.Tensor) -> int:
     return saved[0]
 
 
+def train_steps(model: nn.Module, x: torch.Tensor, steps: int) -> list[float]:
+    """Train ``model`` on ``x`` for ``steps`` steps (mean square loss); the losses."""
+    losses = []
+    for _ in range(steps):
+        loss = model(x).square().mean()
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
 def train_chain(layers: nn.Module, dim: int, steps: int) -> list[float]:
     """Train ``layers`` called one after the other (no parent module), seeded input; the losses."""
     x = torch.randn(4, dim, generator=torch.Generator().manual_seed(1))

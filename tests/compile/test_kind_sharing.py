@@ -21,7 +21,7 @@ import autoweave
 from autoweave.dispatch import dispatchers
 from autoweave.observe import counting
 from tests.compile.test_layer_state import Cache, Experts
-from tests.models import Block, RecompileLimitHits, make_break
+from tests.models import Block, RecompileLimitHits, make_break, train_steps
 
 pytestmark = pytest.mark.usefixtures("weave_on")
 
@@ -68,12 +68,7 @@ def _train(layers: int, *, use_cache: bool, on: bool = True, steps: int = 2) -> 
     with autoweave.disabled() if not on else contextlib.nullcontext():
         for layer in model.layers:
             layer.compile(backend=cap.backend())
-    x = torch.randn(4, DIM)
-    losses = []
-    for _ in range(steps):
-        loss = model(x).square().mean()
-        loss.backward()
-        losses.append(loss.item())
+    losses = train_steps(model, torch.randn(4, DIM), steps)
     labels = {
         label
         for layer in model.layers

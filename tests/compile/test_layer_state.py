@@ -23,7 +23,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
 from autoweave.dispatch import dispatchers
-from tests.models import make_break
+from tests.models import make_break, train_steps
 
 DIM = 8
 
@@ -99,13 +99,7 @@ def _train(on: bool, layers: int = 3, steps: int = 2) -> list[float]:
     with autoweave.disabled() if not on else contextlib.nullcontext():
         for layer in model.layers:
             layer.compile(backend="aot_eager")  # regional compile, after AC (accelerate's order)
-    x = torch.randn(4, DIM)
-    losses = []
-    for _ in range(steps):
-        loss = model(x).square().mean()
-        loss.backward()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, torch.randn(4, DIM), steps)
 
 
 @pytest.mark.usefixtures("weave_on")

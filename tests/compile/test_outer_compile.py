@@ -25,7 +25,7 @@ import autoweave
 from autoweave import _compat
 from autoweave._state import run
 from tests.break_models import DIM, BreakBlock
-from tests.models import Block
+from tests.models import Block, train_steps
 
 pytestmark = pytest.mark.usefixtures("weave_on")
 
@@ -123,13 +123,7 @@ def _autoweave_code(codes: list[Any]) -> set[str]:
 
 
 def _train(model: nn.Module, steps: int = 3) -> list[float]:
-    x = torch.randn(4, DIM)
-    losses = []
-    for _ in range(steps):
-        loss = model(x).square().mean()
-        loss.backward()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, torch.randn(4, DIM), steps)
 
 
 @pytest.mark.parametrize("form", ["torch.compile", "in place", "AC outside"])
