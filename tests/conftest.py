@@ -65,6 +65,19 @@ def _strict_lane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
         _settings.reload(_with_strict(after, before.strict))
 
 
+@pytest.fixture(autouse=True)
+def _no_rank_seen_before(monkeypatch: pytest.MonkeyPatch):
+    """A process group an earlier test made and destroyed is not this test's job.
+
+    ``_log`` keeps the (rank, world size) it last read from a group, because a job may
+    destroy its group before the report at exit (``test_report``'s rank tests); within one
+    test worker that memory would leak a world of 2 into the next test's summary.
+    """
+    from autoweave import _log
+
+    monkeypatch.setattr(_log, "_seen", None)
+
+
 @pytest.fixture
 def weave_on():
     torch._dynamo.reset()
