@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _compat
+from autoweave import _compat, _log
 
 # Per-module values dynamo can specialize on (a guard ``self.layer_idx == 3``).
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
@@ -65,7 +65,10 @@ class KindRegion:
         self._split_names: frozenset[str] = frozenset()
         self._base = build(())
         self._all = [self._base]  # every region of the kind, for their guards
-        self._by_split: dict[tuple, tuple[Callable[..., Any], Callable[..., Any], Any, str]] = {}
+        # The first block runs on the base region: its guards are the evidence a split is read from.
+        self._by_split: dict[tuple, tuple[Callable[..., Any], Callable[..., Any], Any, str]] = {
+            (): self._base
+        }
         self._first: tuple | None = None  # constants of the first block (the base region's)
         self._blocks: weakref.WeakKeyDictionary[nn.Module, Install] = weakref.WeakKeyDictionary()
         self._placed: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()  # -> label
@@ -105,6 +108,11 @@ class KindRegion:
         if names == self._split_names:
             return
         self._split_names = frozenset(names)
+        _log.logger.debug(
+            "%s: dynamo guards on %s: blocks of this kind split by their values",
+            self._base[3],
+            ", ".join(sorted(names)),
+        )
         # The base region keeps the block it was compiled for (its guards hold that block's values).
         self._by_split = {self._split(self._first or ()): self._base}
         for module, install in list(self._blocks.items()):
