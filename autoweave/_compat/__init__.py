@@ -65,6 +65,7 @@ from autoweave._compat.dynamo import (
     outside_dynamo,
     reset_code,
     resumed_name,
+    skip_own_frame,
     torch_logging_internal,
     trace_structured,
 )
@@ -163,6 +164,7 @@ __all__ = [
     "register_module_registration_hook",
     "reset_code",
     "resumed_name",
+    "skip_own_frame",
     "returns_fresh_storage",
     "saved_tensors_hooks_active",
     "selective_contexts_factory",

@@ -71,6 +71,21 @@ def disabled_original(fn: Any) -> Any:
     return getattr(fn, "__wrapped__", None) if getattr(fn, "_torchdynamo_disable", False) else None
 
 
+def skip_own_frame(fn: Any) -> bool:
+    """Make dynamo run ``fn``'s own frames eagerly and compile the frames it calls (False: not on this torch).
+
+    What ``torch.compiler.disable(fn, recursive=False)`` does to ``fn``'s code, without
+    the wrapper that makes an enclosing trace break at its call: only for code
+    autoweave owns (a region's copy), never a user's shared code object.
+    """
+    skip_code = find_optional("torch._dynamo.eval_frame.skip_code")
+    code = getattr(fn, "__code__", None)
+    if skip_code is None or code is None:
+        return False
+    skip_code(code)
+    return True
+
+
 def disable(fn: Any, *, recursive: bool) -> Any:
     import torch
 

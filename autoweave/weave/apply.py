@@ -289,12 +289,34 @@ def _build_kind_region(
         None if decision.checkpoint is None or pieces_fn is not None else decision.checkpoint.checkpoint_fn
     )
     forward = type(module).forward
-    region = (
-        on_own_code(forward, label, through_wrappers=True)
-        if decision.splits and checkpoint_fn is None and _user_code(forward)
-        else _shared_region(forward, checkpoint_fn, label)
-    )
+    if decision.splits and checkpoint_fn is None and _user_code(forward):
+        region = on_own_code(forward, label, through_wrappers=True)
+        _run_wrappers_eagerly(region)
+    else:
+        region = _shared_region(forward, checkpoint_fn, label)
     return compile_fn(region, **region_kw), region, backend, label
+
+
+def _run_wrappers_eagerly(region: Callable[..., Any]) -> None:
+    """Compile a copied decorator chain from the function it wraps, not from each wrapper.
+
+    A graph break inside the wrapped function makes dynamo break at every
+    wrapper's call of the next one: each wrapper is a frame of its own, traced
+    down to the break, restarted, compiled to an empty graph and a resume
+    function (transformers' layers: two ``forward_with_checkpointing`` and a
+    ``deprecate_kwarg`` wrapper, three frames a kind traced twice each). The
+    wrappers only pass their call on, so they run as in eager; the innermost
+    copy is the region's first compiled frame, as in a hand weave that compiles
+    the layer's own ``forward``.
+    """
+    fn = region
+    while True:
+        wrapped = getattr(fn, "__wrapped__", None)
+        copied = getattr(getattr(wrapped, "__code__", None), "co_name", None) == region.__code__.co_name
+        if not copied:
+            return
+        _compat.skip_own_frame(fn)
+        fn = wrapped
 
 
 def _kind_backend(

@@ -11,6 +11,7 @@ block runs, which dynamo does not guard on: it is part of the block's identity.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -120,3 +121,52 @@ def test_a_hook_on_one_of_identical_blocks_runs_at_every_step() -> None:
         return losses
 
     assert run(on=True) == pytest.approx(run(on=False), rel=1e-5)
+
+
+def _decorated(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+class PlainBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(DIM, DIM)
+        self.experts = make_break(Experts())
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.q(x).tanh()
+        return h + self.out(self.experts(h))
+
+
+class DecoratedBlock(PlainBlock):
+    # transformers' layers: ``forward_with_checkpointing`` twice (the class and FSDP's
+    # subclass), ``deprecate_kwarg``; each a wrapper that only passes the call on.
+    forward = _decorated(_decorated(PlainBlock.forward))
+
+
+@pytest.mark.parametrize("block", [PlainBlock, DecoratedBlock])
+def test_decorators_on_a_forward_add_no_frames(block: type[nn.Module]) -> None:
+    # A break inside a decorated forward: dynamo would break at each wrapper's call of the
+    # next and compile every wrapper as a frame of its own (traced to the break, twice);
+    # the wrappers run as in eager, the frames compiled are those of the bare forward.
+    from torch._dynamo.utils import counters
+
+    def frames(cls: type[nn.Module]) -> tuple[int, list[float]]:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(DIM, DIM), *(cw.checkpoint_wrapper(cls()) for _ in range(3)))
+        for layer in list(model)[1:]:
+            layer.compile(backend="aot_eager")
+        losses = train_steps(model, torch.randn(4, DIM), 2)
+        return counters["frames"]["total"], losses
+
+    bare, bare_losses = frames(PlainBlock)
+    got, losses = frames(block)
+    assert got == bare, (got, bare)
+    assert losses == pytest.approx(bare_losses, rel=1e-6)
