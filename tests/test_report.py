@@ -638,3 +638,37 @@ def test_the_report_stays_true_across_resets_and_regions_add_up_to_dynamo(weave_
     # region's, whether or not dynamo handed the backend a graph: the regions add up to dynamo.
     assert sum(r["compiles"] for r in woven) == total["compiles"], woven
     assert sum(r["recompiles"] for r in woven) == total["recompiles"], woven
+
+
+def _pass_on(experts: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # Not the region's code: a break in the call below makes dynamo compile this function as a
+    # frame of its own, with no op of its own (no graph), which recompiles for a new size.
+    return experts(x)
+
+
+class _Routed(nn.Module):
+    """A block whose boundary is reached through a helper function (an MoE's dispatch)."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.experts = make_break(Experts(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + _pass_on(self.experts, self.norm(x))
+
+
+def test_frames_a_region_calls_count_under_it(weave_on) -> None:
+    torch.manual_seed(0)
+    report.start(None)
+    model = nn.Sequential(
+        *[torch.compile(cw.checkpoint_wrapper(_Routed()), backend="aot_eager") for _ in range(2)]
+    )
+    for rows in (4, 4, 6, 7):  # token counts that change from step to step
+        model(torch.randn(rows, 8)).sum().backward()
+    data = report.stop()
+    total = data["dynamo"]
+    assert total["recompiles"] > 0, total
+    woven = [r for r in data["regions"] if r["kind"] == "woven"]
+    assert sum(r["compiles"] for r in woven) == total["compiles"], (woven, total)
+    assert sum(r["recompiles"] for r in woven) == total["recompiles"], (woven, total)

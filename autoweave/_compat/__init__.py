@@ -55,8 +55,10 @@ from autoweave._compat.conversion import (
     suppressing_errors,
 )
 from autoweave._compat.dynamo import (
+    backends_within,
     code_being_compiled,
     compile_callbacks,
+    compile_in_progress,
     disable,
     disabled_original,
     dynamo_counters,
@@ -136,7 +138,9 @@ __all__ = [
     "checkpoint_wrapper_module",
     "checkpointed_function_class",
     "children_of",
+    "backends_within",
     "code_being_compiled",
+    "compile_in_progress",
     "compile_again",
     "compile_callbacks",
     "compiled_inner",

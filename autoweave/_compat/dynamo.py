@@ -14,7 +14,7 @@ import inspect
 import re
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from autoweave._compat.lookup import find, find_optional
@@ -144,16 +144,45 @@ def code_being_compiled() -> Any:
     dynamo's compile-start callbacks are told the compile id, not the frame; the
     frame is an argument of ``torch._dynamo.convert_frame._compile``, up the stack.
     """
+    code, _ = compile_in_progress()
+    return code
+
+
+def compile_in_progress() -> tuple[Any, Any]:
+    """(code, backend) of the compile dynamo is running now (``_compile``'s ``code`` and ``compiler_fn``).
+
+    (None, None) outside a compile or where ``_compile`` moved. The backend is
+    as dynamo holds it (wrapped by torch: see ``backends_within``).
+    """
     target = dynamo_compile_code()
     if target is None:
-        return None
+        return None, None
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code is target:
             code = frame.f_locals.get("code")
-            return code if isinstance(code, types.CodeType) else None
+            return (code if isinstance(code, types.CodeType) else None), frame.f_locals.get("compiler_fn")
         frame = frame.f_back
-    return None
+    return None, None
+
+
+# Where torch's wrappers of a backend keep the one they wrap: ``WrapBackendDebug`` and
+# ``_TorchCompileWrapper`` (``_torchdynamo_orig_backend``, ``compiler_fn``), autoweave's own
+# (``inner``), a ``functools.partial`` (``func``).
+_WRAPPED_BACKEND = ("_torchdynamo_orig_backend", "compiler_fn", "inner", "func")
+
+
+def backends_within(backend: Any, depth: int = 8) -> Iterator[Any]:
+    """``backend`` and every backend it wraps, outermost first."""
+    seen: set[int] = set()
+    while backend is not None and depth > 0 and id(backend) not in seen:
+        yield backend
+        seen.add(id(backend))
+        depth -= 1
+        backend = next(
+            (inner for name in _WRAPPED_BACKEND if (inner := getattr(backend, name, None)) is not None),
+            None,
+        )
 
 
 # What dynamo traces in place of a function it meets while tracing (torch 2.1+, every torch in

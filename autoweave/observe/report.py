@@ -41,13 +41,16 @@ class _CountingPlain(_compat.BackendWrapper):
 
     def __init__(self, stats: _Stats, label: str, inner: Any) -> None:
         super().__init__(inner)
-        self._stats, self._label = stats, stats.region(label, "plain").label
+        # ``report_label``: the region a compile running on this backend counts under (``report_stats``).
+        self._stats, self.report_label = stats, stats.region(label, "plain").label
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         ops, start = ops_in(gm), time.perf_counter()  # ops before the backend, which may rewrite gm
         compiled = self.inner(gm, example_inputs)
         seconds = time.perf_counter() - start
-        graph = CompiledGraph(self._label, graph_name(gm), ops, getattr(compiled, RAN_EAGER, None), seconds)
+        graph = CompiledGraph(
+            self.report_label, graph_name(gm), ops, getattr(compiled, RAN_EAGER, None), seconds
+        )
         self._stats.on_graph(graph, kind="plain")
         return compiled
 

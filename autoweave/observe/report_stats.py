@@ -24,7 +24,7 @@ from autoweave._compat.log_strings import RecompileLimit
 from autoweave._log import rank, world_size
 from autoweave._state import run
 from autoweave.observe import compile_callbacks, counting, graph_breaks, summary
-from autoweave.weave.region_backend import CompiledGraph, observe_graphs
+from autoweave.weave.region_backend import CompiledGraph, RegionBackend, observe_graphs
 
 
 @dataclass
@@ -109,7 +109,12 @@ class _Stats:
         # A woven region's own frame, or a resume function of it, is its region's compile
         # whether or not it hands the backend a graph: a frame between two boundaries (or
         # calls dynamo must not trace) can hold no op, and yet recompile for a new size.
-        region = self._region_of(_compat.code_being_compiled()) if trigger == "DYNAMO" else None
+        # So is a frame of other code its call reached (a helper it calls that breaks, a
+        # shared class forward): compiled by the region's backend, counted under it.
+        region = None
+        if trigger == "DYNAMO":
+            code, backend = _compat.compile_in_progress()
+            region = self._region_of(code) or self._region_of_backend(backend)
         with self._lock:
             self._open.append((time.perf_counter(), [] if region is None else [region], recompile))
             if trigger == "DYNAMO":
@@ -134,6 +139,16 @@ class _Stats:
             return None
         region = self.regions.get(_compat.resumed_name(code.co_name))
         return region if region is not None and region.kind == "woven" else None
+
+    def _region_of_backend(self, backend: Any) -> RegionStats | None:
+        """The region whose backend (a woven region's, or a plain compile's counting one) ``backend`` is."""
+        for within in _compat.backends_within(backend):
+            if isinstance(within, RegionBackend):
+                return self.region(within.label, "woven")
+            label = getattr(within, "report_label", None)
+            if isinstance(label, str) and label in self.regions:
+                return self.regions[label]
+        return None
 
     def on_graph(self, graph: CompiledGraph, kind: str = "woven") -> None:
         """A region's backend compiled a graph (or runs it eager): count it under its region."""
