@@ -672,3 +672,24 @@ def test_frames_a_region_calls_count_under_it(weave_on) -> None:
     woven = [r for r in data["regions"] if r["kind"] == "woven"]
     assert sum(r["compiles"] for r in woven) == total["compiles"], (woven, total)
     assert sum(r["recompiles"] for r in woven) == total["recompiles"], (woven, total)
+    assert total["outside_regions"] == {"compiles": 0, "recompiles": 0}, total
+
+
+def test_compiles_outside_every_region_are_counted_apart(weave_on) -> None:
+    # A function the application compiles itself (NeMo compiles its own norm and activation):
+    # dynamo's, not any region's; the regions and outside_regions add up to dynamo's.
+    report.start(None)
+    model = torch.compile(cw.checkpoint_wrapper(_Routed()), backend="aot_eager")
+    scale = torch.compile(lambda t: t * 2.0, backend="eager")
+    for rows in (4, 6, 7):
+        scale(model(torch.randn(rows, 8))).sum().backward()
+    data = report.stop()
+    total = data["dynamo"]
+    outside = total["outside_regions"]
+    assert outside["compiles"] >= 1, total
+    regions = data["regions"]
+    assert sum(r["compiles"] for r in regions) + outside["compiles"] == total["compiles"], (regions, total)
+    assert sum(r["recompiles"] for r in regions) + outside["recompiles"] == total["recompiles"], (
+        regions,
+        total,
+    )

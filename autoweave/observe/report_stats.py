@@ -70,6 +70,10 @@ class _Stats:
         self.compile_s = 0.0
         self.compiles = 0
         self.recompiles = 0
+        # Compiles no region of autoweave's ran (the application's own torch.compile of a
+        # function, an inductor kernel it compiles itself): with the regions', dynamo's all.
+        self.outside_compiles = 0
+        self.outside_recompiles = 0
         self._open: list[tuple[float, list[RegionStats], bool]] = []
         self._lock = threading.Lock()
         self.fallbacks = counting.FallbackCounter()
@@ -120,6 +124,9 @@ class _Stats:
             if trigger == "DYNAMO":
                 self.compiles += 1
                 self.recompiles += recompile
+                if region is None:
+                    self.outside_compiles += 1
+                    self.outside_recompiles += recompile
 
     def _on_end(self, *_: Any) -> None:
         with self._lock:
@@ -251,6 +258,9 @@ class _Stats:
                 "compiles": self.compiles,
                 "recompiles": self.recompiles,
                 "compile_s": round(self.compile_s, 4),
+                # Of those, compiles no region ran (see ``outside_compiles``): the regions' and
+                # these add up to dynamo's.
+                "outside_regions": {"compiles": self.outside_compiles, "recompiles": self.outside_recompiles},
                 "graph_breaks": sum(breaks.values()),
                 "graph_break_reasons": dict(breaks.most_common()),
                 "graph_break_sites": graph_breaks.graph_break_sites(
