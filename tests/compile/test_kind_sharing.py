@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
+from autoweave import _state
 from autoweave.dispatch import dispatchers
 from autoweave.observe import counting
 from tests.compile.test_layer_state import Cache, Experts
@@ -170,3 +171,33 @@ def test_decorators_on_a_forward_add_no_frames(block: type[nn.Module]) -> None:
     got, losses = frames(block)
     assert got == bare, (got, bare)
     assert losses == pytest.approx(bare_losses, rel=1e-6)
+
+
+def test_a_break_learned_at_the_first_block_costs_the_others_nothing() -> None:
+    # A break no plan can see ahead (``torch._dynamo.graph_break()`` in the experts): the first
+    # block compiles plain, falls back once, and is woven from its next call; every other block
+    # plans with what it taught and compiles once, on the region the first one then shares.
+    from torch._dynamo.utils import counters
+
+    from tests.break_models import BreakBlock
+
+    def compiled(blocks: int) -> tuple[int, int, list[float]]:
+        torch._dynamo.reset()
+        _state.reset()  # the break is learned afresh: the process remembers it by forward code
+        counters.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(8, 8),
+            *(
+                torch.compile(cw.checkpoint_wrapper(BreakBlock(8)), backend="aot_eager")
+                for _ in range(blocks)
+            ),
+        )
+        with counting.FallbackCounter() as fallbacks:
+            losses = train_steps(model, torch.randn(4, 8), 3)
+        return counters["frames"]["total"], fallbacks.count, losses
+
+    frames_1, fallbacks_1, _ = compiled(1)
+    frames_6, fallbacks_6, _ = compiled(6)
+    assert fallbacks_1 == fallbacks_6 == 1
+    assert frames_6 <= frames_1, (frames_1, frames_6)
