@@ -42,6 +42,23 @@ def test_transformers_frames_do_not_grow_with_depth(client_run):
         raise CountNotFlat(
             f"frames by layers: {frames}; compiles {[r.get('compiles') for r in runs.values()]}"
         )
+    # No more frames than the same code compiled by hand (each layer's and the experts' inner
+    # module compiled in place under their eager checkpoints): the first layer compiles on the
+    # region the others share, and the forward's decorators run as in eager, not as frames.
+    hand = client_run(
+        "accelerate_worker",
+        "plain",
+        "--layers",
+        "2",
+        "--steps",
+        "2",
+        "--use-cache",
+        "false",
+        "--variant",
+        "hand_weave",
+    )
+    assert hand.ok, hand.describe()
+    assert frames[2] <= hand.get("frames"), (frames, hand.get("frames"))
 
 
 def test_selective_ac_compiles_nothing_after_step_two_as_lengths_vary(client_run):
