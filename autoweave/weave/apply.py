@@ -441,10 +441,13 @@ def _at_recompile_limit(
     def under(path: str, block: str) -> bool:
         return not block or path == block or path.startswith(f"{block}.")
 
+    def labels_under(path: str) -> frozenset[str]:
+        # ``applied.regions`` as it is then: a kind that splits moves blocks to new labels.
+        return frozenset(label for at, label in applied.regions.items() if under(at, path))
+
     watch = AtRecompileLimit(applied.changes, applied._set_forward, on_kept)
     for path, wrapper in blocks.items():
-        labels = frozenset(label for at, label in applied.regions.items() if under(at, path))
-        if labels:
-            watch.blocks.append(PiecesBlock(wrapper, labels))
+        if labels_under(path):
+            watch.blocks.append(PiecesBlock(wrapper, functools.partial(labels_under, path)))
     watch.start()
     return watch if watch.blocks else None

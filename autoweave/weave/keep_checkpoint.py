@@ -45,8 +45,14 @@ class PiecesBlock:
     """An AC wrapper whose checkpoint moved into the pieces of the regions under it."""
 
     wrapper: Any
-    labels: frozenset[str]  # the labels (code names) of the regions under it
+    # The labels (code names) of the regions under it, read when a limit is hit: a block
+    # moved to a region of its own when its kind split (``shared_kinds``) is found there.
+    labels_now: Callable[[], frozenset[str]]
     kept: bool = False  # switched back to its checkpoint
+
+    @property
+    def labels(self) -> frozenset[str]:
+        return self.labels_now()
 
 
 @dataclass
