@@ -11,7 +11,6 @@ block runs, which dynamo does not guard on: it is part of the block's identity.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ import autoweave
 from autoweave import _state
 from autoweave.dispatch import dispatchers
 from autoweave.observe import counting
-from tests.compile.test_layer_state import Cache, Experts
+from tests.compile.test_layer_state import Cache, Experts, _decorated
 from tests.models import Block, RecompileLimitHits, make_break, train_steps
 
 pytestmark = pytest.mark.usefixtures("weave_on")
@@ -122,14 +121,6 @@ def test_a_hook_on_one_of_identical_blocks_runs_at_every_step() -> None:
         return losses
 
     assert run(on=True) == pytest.approx(run(on=False), rel=1e-5)
-
-
-def _decorated(fn):
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    return wrapped
 
 
 class PlainBlock(nn.Module):
