@@ -22,6 +22,7 @@ from autoweave.observe import counting
 from autoweave.planning.plans import Action
 from benchmarks.measure import forward_gemms_outside_graphs
 from tests import break_models as bm
+from tests.models import train_steps
 
 DIM, TOKENS, LAYERS, STEPS = 16, 32, 2, 3
 
@@ -42,12 +43,7 @@ def _train(model, compile_backend=None) -> list[float]:
         for i, layer in enumerate(model.layers):
             model.layers[i] = torch.compile(layer, backend=compile_backend)
     x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(1))
-    losses = []
-    for _ in range(STEPS):
-        loss = model(x).square().mean()
-        loss.backward()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, x, STEPS)
 
 
 def test_a_wrapped_context_fn_is_planned_with_hoist_and_compiles_everything_but_the_break():
