@@ -15,9 +15,15 @@ Nothing else.
 ``--use-cache false`` sets ``use_cache=False`` on the model's config and passes it to the model, as
 training code does (the config's default, ``True``, is what runs without it: accelerate's AC does not
 turn the cache off).
-``--variant`` (benchmarks/compile_cost.py) builds two references beside accelerate's own path:
-``upper_bound`` wraps (FSDP and AC) only the decoder layers, so the experts have no unit of their
-own and nothing breaks the graph; ``hand_weave`` is accelerate's regional compile with one change
+``--variant`` (benchmarks/compile_cost.py) builds three references beside accelerate's own path.
+``upper_bound``: what plain torch compiles when nothing breaks a checkpoint, the capture limit. Only
+the decoder layers are wrapped (FSDP and AC), so the experts have no unit of their own, and each
+layer's FSDP unit goes *around* its checkpoint wrapper (torchtitan's order: ``fully_shard`` on the
+wrapper; accelerate's call on the layer is redirected there): every layer compiles whole, all its
+forward GEMMs in one graph. ``eager_layers``: the experts have no unit either, but the layer's unit
+stays where accelerate puts it, *inside* the checkpoint wrapper, whose FSDP hooks break the
+checkpoint: plain dynamo runs every layer eager (what plain compile costs when it compiles none of
+the layers: a floor, not a capture bound). ``hand_weave`` is accelerate's regional compile with one change
 (``hand_weave_regions`` in place of its ``compile_regions_fsdp2``): each repeated block's
 *inner* module is compiled in place instead of its checkpoint wrapper, and so is the inner module of
 the experts' nested checkpoint wrapper: both checkpoints run eager, around a compile of
@@ -34,6 +40,7 @@ autoweave's code copies.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -41,6 +48,31 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
+
+
+@contextlib.contextmanager
+def units_around_checkpoints(layers):
+    """``fully_shard`` on a checkpointed layer shards its checkpoint wrapper instead, while open.
+
+    accelerate imports ``fully_shard`` from ``torch.distributed.fsdp`` when it prepares the model,
+    so the redirect is put there, and taken away again on leaving.
+    """
+    import torch.distributed.fsdp as fsdp
+
+    shard = fsdp.fully_shard
+
+    def around_the_checkpoint(module, *args, **kwargs):
+        for wrapper in layers:
+            if getattr(wrapper, "_checkpoint_wrapped_module", None) is module:
+                shard(wrapper, *args, **kwargs)
+                return module
+        return shard(module, *args, **kwargs)
+
+    fsdp.fully_shard = around_the_checkpoint
+    try:
+        yield
+    finally:
+        fsdp.fully_shard = shard
 
 
 def hand_weave_regions(module, **compile_kwargs):
@@ -79,7 +111,9 @@ def main() -> None:
         "--measure", action="store_true", help="profile GEMMs, backward GEMMs and activation memory"
     )
     p.add_argument("--gemms", action="store_true", help="profile the forward's GEMMs only (no other measure)")
-    p.add_argument("--variant", choices=("accelerate", "upper_bound", "hand_weave"), default="accelerate")
+    p.add_argument(
+        "--variant", choices=("accelerate", "upper_bound", "eager_layers", "hand_weave"), default="accelerate"
+    )
     args = p.parse_args()
 
     metrics = _common.Metrics().install()
@@ -110,7 +144,7 @@ def main() -> None:
         experts_cls = type(model.model.layers[0].mlp.experts).__name__
         wrapped = (
             ["Qwen3MoeDecoderLayer"]
-            if args.variant == "upper_bound"
+            if args.variant in ("upper_bound", "eager_layers")
             else ["Qwen3MoeDecoderLayer", experts_cls]
         )
         fsdp = FullyShardedDataParallelPlugin(
@@ -137,7 +171,19 @@ def main() -> None:
             import accelerate.accelerator
 
             accelerate.accelerator.compile_regions_fsdp2 = hand_weave_regions
-        model, opt = acc.prepare(model, opt)
+        with (
+            units_around_checkpoints(model.model.layers)
+            if args.variant == "upper_bound"
+            else contextlib.nullcontext()
+        ):
+            model, opt = acc.prepare(model, opt)
+        if args.variant == "upper_bound":
+            from torch.distributed.fsdp import FSDPModule
+
+            # the bound means nothing if a layer's unit did not move around its checkpoint
+            assert all(isinstance(layer, FSDPModule) for layer in model.model.layers), (
+                "a layer kept its unit inside"
+            )
         ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
         call = {} if args.use_cache == "config" else {"use_cache": args.use_cache == "true"}
         if args.nograd:
