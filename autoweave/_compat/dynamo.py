@@ -205,8 +205,25 @@ def outside_dynamo(fn: Callable[..., Any], *, traced_as: Callable[..., Any]) -> 
     """
     import torch
 
-    wrapper = torch._dynamo.disable(fn, recursive=True)
-    setattr(wrapper, DISABLED, False)
+    disabled = torch._dynamo.disable(fn, recursive=True)
+    callback = find_optional("torch._C._dynamo.eval_frame.get_eval_frame_callback")
+
+    # Called from eager code (every step's call) no frame evaluation is set, and turning
+    # it off costs two eval-frame swaps a call: fn runs as it is. Only under a compile
+    # that runs this call (one that breaks its graph here) is it turned off. Dynamo never
+    # converts the wrapper's own frame (``skip_own_frame``), only what it calls, and that
+    # is where ``disabled`` takes over.
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if callback() is None:
+            return fn(*args, **kwargs)
+        return disabled(*args, **kwargs)
+
+    if callback is None or not skip_own_frame(wrapper):
+        wrapper = disabled  # where torch lacks either name: always off, as it was
+        setattr(wrapper, DISABLED, False)
+    else:
+        functools.update_wrapper(wrapper, fn)
+        del wrapper.__wrapped__  # nothing may unwrap it to ``fn``: a trace meets ``traced_as``
     setattr(wrapper, TRACE_AS, traced_as)
     return wrapper
 

@@ -285,6 +285,48 @@ def test_a_forward_does_not_walk_the_module_tree(monkeypatch):
     assert dispatcher.plan.decision("_checkpoint_wrapped_module.norm").action.value == "boundary"
 
 
+COMPILED_FORMS = {
+    "torch.compile(AC(block))": lambda: torch.compile(
+        cw.checkpoint_wrapper(Block(8, moe=False)), backend="eager"
+    ),
+    "AC(torch.compile(block))": lambda: cw.checkpoint_wrapper(
+        torch.compile(Block(8, moe=False), backend="eager")
+    ),
+}
+
+
+@pytest.mark.parametrize("form", COMPILED_FORMS)
+def test_a_call_from_eager_code_swaps_the_eval_frame_as_often_as_plain_torch(monkeypatch, form):
+    """autoweave's own frames under a compiled module's call are kept from dynamo only when a
+    compile runs them: called from eager code, nothing is turned off (``torch._dynamo.disable``
+    around them cost two eval-frame swaps per wrapper per call, 2% of a small layer's forward)."""
+    import torch._dynamo.eval_frame as eval_frame
+
+    swaps = []
+    real = eval_frame.set_eval_frame
+    monkeypatch.setattr(eval_frame, "set_eval_frame", lambda callback: swaps.append(1) or real(callback))
+    x = torch.randn(4, 8)
+
+    def per_call(model: nn.Module) -> int:
+        with torch.no_grad():
+            for _ in range(2):  # compile, then settle
+                model(x)
+            before = len(swaps)
+            model(x)
+        return len(swaps) - before
+
+    with autoweave.disabled():
+        plain = per_call(COMPILED_FORMS[form]())
+    woven = COMPILED_FORMS[form]()
+    assert per_call(woven) == plain, "eval-frame swaps per call, autoweave against plain torch"
+    compiled = (
+        woven
+        if isinstance(woven, torch._dynamo.eval_frame.OptimizedModule)
+        else woven._checkpoint_wrapped_module
+    )
+    assert dispatchers.dispatcher_of(compiled) is not None  # it went through autoweave's dispatcher
+
+
 def test_fully_shard_after_the_first_forward_replans(monkeypatch):
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
