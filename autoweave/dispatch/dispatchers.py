@@ -248,7 +248,8 @@ class _Dispatcher:
         goes by it: TorchScript skips a function it cannot script, but types any
         other object from ``nn.Module``'s annotation and fails. A closure costs no
         more per call than the dispatcher's own ``__call__``; the wrapper that keeps
-        dynamo out of it (``_compat.outside_dynamo``) costs two eval-frame swaps.
+        dynamo out of it (``_compat.outside_dynamo``) reads the eval-frame callback
+        and, called from eager code, swaps nothing.
         """
         dispatcher = self
 
