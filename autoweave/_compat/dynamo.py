@@ -206,7 +206,7 @@ def outside_dynamo(fn: Callable[..., Any], *, traced_as: Callable[..., Any]) -> 
     import torch
 
     disabled = torch._dynamo.disable(fn, recursive=True)
-    callback = find_optional("torch._C._dynamo.eval_frame.get_eval_frame_callback")
+    current_callback = find_optional("torch._C._dynamo.eval_frame.get_eval_frame_callback")
 
     # Called from eager code (every step's call) no frame evaluation is set, and turning
     # it off costs two eval-frame swaps a call: fn runs as it is. Only under a compile
@@ -214,11 +214,11 @@ def outside_dynamo(fn: Callable[..., Any], *, traced_as: Callable[..., Any]) -> 
     # converts the wrapper's own frame (``skip_own_frame``), only what it calls, and that
     # is where ``disabled`` takes over.
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if callback() is None:
+        if current_callback() is None:
             return fn(*args, **kwargs)
         return disabled(*args, **kwargs)
 
-    if callback is None or not skip_own_frame(wrapper):
+    if current_callback is None or not skip_own_frame(wrapper):
         wrapper = disabled  # where torch lacks either name: always off, as it was
         setattr(wrapper, DISABLED, False)
     else:

@@ -28,6 +28,11 @@ class CountNotFlat(Exception):
     """A compile count grew where issue 27 wants it flat."""
 
 
+def _qwen3(layers: int) -> tuple[str, ...]:
+    # --gemms: one profiled forward after the steps, so the runs here also say what ran compiled
+    return ("--layers", str(layers), "--steps", "2", "--use-cache", "false", "--gemms")
+
+
 def test_transformers_frames_do_not_grow_with_depth(client_run):
     _runner.require("accelerate")
     _runner.require("transformers")
@@ -45,11 +50,6 @@ def test_transformers_frames_do_not_grow_with_depth(client_run):
     hand = client_run("accelerate_worker", "plain", *_qwen3(2), "--variant", "hand_weave")
     assert hand.ok, hand.describe()
     assert frames[2] <= hand.get("frames"), (frames, hand.get("frames"))
-
-
-def _qwen3(layers: int) -> tuple[str, ...]:
-    # --gemms: one profiled forward after the steps, so the runs here also say what ran compiled
-    return ("--layers", str(layers), "--steps", "2", "--use-cache", "false", "--gemms")
 
 
 def test_transformers_capture_equals_the_upper_bound_and_the_break_costs_four_frames(client_run):
