@@ -13,6 +13,7 @@ import functools
 import inspect
 import re
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -226,6 +227,71 @@ def outside_dynamo(fn: Callable[..., Any], *, traced_as: Callable[..., Any]) -> 
         del wrapper.__wrapped__  # nothing may unwrap it to ``fn``: a trace meets ``traced_as``
     setattr(wrapper, TRACE_AS, traced_as)
     return wrapper
+
+
+class _InsertionOrder:
+    """Counts the woven calls running, so dynamo's LRU reordering is off exactly while any runs."""
+
+    def __init__(self, set_lru: Callable[[bool], None]) -> None:
+        self._set_lru = set_lru
+        self._running = 0
+        self._lock = threading.Lock()  # the flag is process-wide: threads share one count
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._running == 0:
+                self._set_lru(False)
+            self._running += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._running -= 1
+            if self._running == 0:
+                self._set_lru(True)
+
+
+@functools.cache
+def _insertion_order() -> _InsertionOrder | None:
+    set_lru = find_optional("torch._C._dynamo.eval_frame._set_lru_cache")
+    return None if set_lru is None else _InsertionOrder(set_lru)
+
+
+def lookups_in_order(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` with dynamo's cache entries looked up in the order they were made.
+
+    A block under an eager checkpoint runs its compiled code twice, in forward
+    and in recompute, and both must run the same graph. By default dynamo moves
+    the entry a lookup hits to the front, and a recompile puts the new entry in
+    front: blocks of one kind that differ in a value (``self._scale``, a float
+    argument) recompile the shared code with that value dynamic while a block
+    before them still waits for its recompute, which then picks the new dynamic
+    entry and saves other tensors (``CheckpointError``; plain torch runs such
+    blocks eager and trains). With the reordering off a lookup takes the first
+    entry that matches in the order they were made, and later entries never
+    precede it, so a recompute finds the entry its forward ran.
+    TODO(pytorch#166926): drop when a checkpoint's recompute pins its forward's
+    graph; torch 2.11-2.15 have the switch, not the pinning. Older: unchanged.
+    The switch is process-wide with no getter: it is off only while a woven
+    call runs (its resume functions and its recompute included) and torch's
+    default comes back after the last one returns.
+    """
+    order = _insertion_order()
+    if order is None:
+        return compiled
+
+    def in_order(*args: Any, **kwargs: Any) -> Any:
+        order.enter()
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            order.exit()
+
+    functools.update_wrapper(in_order, compiled)
+    # A trace that meets it (an outer compile inlining the block) traces the compiled
+    # function as it would meet it in plain torch; dynamo never converts its own frame.
+    setattr(in_order, TRACE_AS, getattr(compiled, TRACE_AS, compiled))
+    skip_own_frame(in_order)
+    return in_order
 
 
 # The name dynamo gives a function that resumes a frame after a graph break (resume_execution.py;

@@ -258,7 +258,9 @@ def _region_forward(
             label = _label(decision.path, module)
             region_kw, backend = _backend_kwargs(kwargs, label, pieces_fn)
         _pieces_of_region(backend, pieces)
-        return compile_fn(_private_region(own, checkpoint_fn, label), **region_kw), label
+        return _compat.lookups_in_order(
+            compile_fn(_private_region(own, checkpoint_fn, label), **region_kw)
+        ), label
     # One compiled region, and one backend, per kind: identical blocks share both,
     # until dynamo guards on a number that differs between them (``shared_kinds``).
     if key not in run.shared_regions:
@@ -294,7 +296,8 @@ def _build_kind_region(
         _run_wrappers_eagerly(region)
     else:
         region = _shared_region(forward, checkpoint_fn, label)
-    return compile_fn(region, **region_kw), region, backend, label
+    # A recompute must run the graph its forward ran (``lookups_in_order``).
+    return _compat.lookups_in_order(compile_fn(region, **region_kw)), region, backend, label
 
 
 def _run_wrappers_eagerly(region: Callable[..., Any]) -> None:

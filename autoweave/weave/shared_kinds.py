@@ -65,6 +65,7 @@ class KindRegion:
         self._split_names: frozenset[str] = frozenset()
         self._base = build(())
         self._all = [self._base]  # every region of the kind, for their guards
+        self._by_label: dict[str, Callable[..., Any]] = {self._base[3]: self._base[0]}
         # The first block runs on the base region: its guards are the evidence a split is read from.
         self._by_split: dict[tuple, tuple[Callable[..., Any], Callable[..., Any], Any, str]] = {
             (): self._base
@@ -91,11 +92,26 @@ class KindRegion:
         if region is None:
             region = self._by_split[split] = self._build(split)
             self._all.append(region)
+            self._by_label[region[3]] = region[0]
             self._listen(region)
         # A block that stays put keeps its forward: dynamo guards on it, a new one recompiles.
-        if not moved_only or self._placed.get(module) != region[3]:
-            self._placed[module] = region[3]
-            install(functools.partial(region[0], module), region[3])
+        if moved_only and self._placed.get(module) == region[3]:
+            return
+        previous = self._placed.get(module)
+        self._placed[module] = region[3]
+        forward = functools.partial(region[0], module)
+        if not moved_only or previous is None:
+            install(forward, region[3])
+            return
+        # The split is read while a block of the kind compiles: that block (and any other
+        # whose forward ran on the old region) still has a checkpoint's recompute to run,
+        # which must run the graph its forward ran. So a moved block changes region at its
+        # next forward, never in a recompute.
+        old = self._by_label[previous]
+        install(
+            _moving(functools.partial(old, module), forward, functools.partial(install, forward, region[3])),
+            previous,
+        )
 
     def _listen(self, region: tuple[Callable[..., Any], Callable[..., Any], Any, str]) -> None:
         backend = region[2]
@@ -120,3 +136,15 @@ class KindRegion:
 
     def _split(self, constants: tuple[tuple[str, str, Any], ...]) -> tuple:
         return tuple(c for c in constants if c[1] in self._split_names)
+
+
+def _moving(old: Callable[..., Any], new: Callable[..., Any], move: Callable[[], None]) -> Callable[..., Any]:
+    """A moved block's forward until its next call outside backward: then ``move`` and run ``new``."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if _compat.in_backward():  # the recompute of a forward that ran on the old region
+            return old(*args, **kwargs)
+        move()
+        return new(*args, **kwargs)
+
+    return forward
