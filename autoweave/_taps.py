@@ -2,21 +2,23 @@
 
 dynamo says what autoweave must react to only in log records, on loggers whose
 level usually hides them (a checkpoint's fallback is INFO, a graph break's user
-stack DEBUG). Listening means lowering a global logger's level; many listeners
-overlap (the report's lives as long as the process, a first call's spans one
-call, threads interleave). So each logger has one ``Tap``, shared by every
-subscriber to its messages and reference-counted: the first subscription
-lowers the level and adds the tap as a filter on the logger, the last one
-takes both back, whatever the order.
+stack DEBUG). Many listeners overlap (the report's lives as long as the process,
+a first call's spans one call, threads interleave). So each logger has one
+``Tap``, shared by every subscriber to its messages and reference-counted: the
+first subscription attaches it, the last one takes it back, whatever the order.
 
-The tap is a *filter*, not a handler: it sees each record before the logger's
-handlers and propagation do, hands the parsed message
-(``autoweave._compat.log_strings``) to the subscribers, then lets through only
-what the logger would have shown before it was lowered, and nothing a subscriber
-consumed. What torch's own handlers show stays as it was.
+The tap never touches the logger's level: torch sets levels whenever it likes
+(``TORCH_LOGS`` is applied at the end of ``import torch``, ``set_logs`` resets
+them all), and so may the user. It wraps the logger's ``isEnabledFor`` instead,
+so that the records a subscriber needs are made, and sits as a *filter* on the
+logger: it sees each record before the logger's handlers and propagation do,
+hands the parsed message (``autoweave._compat.log_strings``) to the
+subscribers, then lets through only what the logger's own ``isEnabledFor``
+says it shows *now* (what torch would have shown without the tap), and nothing
+a subscriber consumed. What torch's own handlers show stays as it was.
 
-Each change to the logger is a ``_log.LoggerEdit`` (undone only while it is still
-as the tap left it), installed through ``_installs`` while the tap is attached:
+Both changes are one ``_log.LoggerEdit`` (undone only while it is still as the
+tap left it), installed through ``_installs`` while the tap is attached:
 ``autoweave.disable()`` detaches every tap.
 """
 
@@ -47,7 +49,8 @@ class Tap(logging.Filter):
         self._key = f"tap on dynamo's logger {name!r}"
         self._listeners: list[tuple[type, Listener]] = []
         self._level = logging.CRITICAL  # the lowest level a subscriber needs
-        self._shown = logging.NOTSET  # what the logger showed before the tap lowered it
+        # What the logger shows without the tap: its ``isEnabledFor`` before the tap wrapped it.
+        self._shows: Callable[[int], bool] = logging.getLogger(name).isEnabledFor
         self._edit: LoggerEdit | None = None
         # Re-entrant: the undo that ``disable()`` runs takes it, and so may a listener.
         self._lock = threading.RLock()
@@ -64,9 +67,8 @@ class Tap(logging.Filter):
                 except BaseException:
                     self._listeners.remove(entry)
                     raise
-            elif kind.LEVEL < self._level:  # type: ignore[attr-defined]
-                self._level = kind.LEVEL  # type: ignore[attr-defined]
-                self._lower(self._edit)
+            else:
+                self._level = min(self._level, kind.LEVEL)  # type: ignore[attr-defined]
 
         def unsubscribe() -> None:
             with self._lock:
@@ -81,15 +83,31 @@ class Tap(logging.Filter):
     def _attach(self) -> Callable[[], None]:
         log = logging.getLogger(self.logger_name)
         edit = LoggerEdit(log)
-        self._shown = log.getEffectiveLevel()
-        self._lower(edit)
+        # The instance's own ``isEnabledFor`` where someone set one (torch does on its trace
+        # log), else the class's: asked at each call, it follows every level torch or the user
+        # sets meanwhile, and ``logging.disable``.
+        own = vars(log).get("isEnabledFor")
+        shows = self._shows = log.isEnabledFor
+
+        def is_enabled_for(level: int) -> bool:
+            # A subscriber hears its level even where ``logging.disable`` hides it: the filter
+            # still shows only what ``shows`` allows.
+            return shows(level) or (self._edit is edit and level >= self._level)
+
+        def unwrap() -> None:
+            attrs = vars(log)
+            if attrs.get("isEnabledFor") is not is_enabled_for:
+                return  # wrapped again since: ours stays, a pass-through once detached
+            if own is None:
+                del attrs["isEnabledFor"]
+            else:
+                attrs["isEnabledFor"] = own
+
+        vars(log)["isEnabledFor"] = is_enabled_for  # on the instance, as torch does on its trace log
+        edit.undo_with(unwrap)
         edit.add_filter(self)
         self._edit = edit
         return self._detach
-
-    def _lower(self, edit: LoggerEdit) -> None:
-        if edit.log.getEffectiveLevel() > self._level:
-            edit.set_level(self._level)
 
     def _detach(self) -> None:
         with self._lock:
@@ -100,7 +118,7 @@ class Tap(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         with self._lock:
-            listeners, shown = list(self._listeners), self._shown
+            listeners, shows = list(self._listeners), self._shows
         consumed = False
         try:
             message = log_strings.read(record)
@@ -114,7 +132,7 @@ class Tap(logging.Filter):
                 consumed = bool(listener(message)) or consumed
             except Exception:  # autoweave's listener failing must not fail dynamo's compile
                 logger.debug("a listener on dynamo's %s failed", record.name, exc_info=True)
-        return not consumed and record.levelno >= shown
+        return not consumed and shows(record.levelno)
 
 
 _taps: dict[str, Tap] = {}

@@ -1,7 +1,8 @@
 """``counting.FallbackCounter``: overlapping counters leave dynamo's logger as they found it.
 
 They share the one tap on dynamo's fallback logger (``autoweave._taps``): a
-filter on the logger, with its level lowered to INFO while anyone listens.
+filter on the logger, and its ``isEnabledFor`` widened to INFO while anyone
+listens; the logger's level is never touched.
 """
 
 from __future__ import annotations
@@ -38,12 +39,42 @@ def dynamo_logger():
 def test_counters_uninstalled_out_of_order_restore_the_logger(dynamo_logger: logging.Logger) -> None:
     first, second = counting.FallbackCounter().install(), counting.FallbackCounter().install()
     first.uninstall()  # not last-in-first-out
-    assert (dynamo_logger.level, dynamo_logger.propagate) == (logging.INFO, True)  # second still listens
+    assert _taps.tap(_compat.FALLBACK_LOGGER) in dynamo_logger.filters  # second still listens
+    assert (dynamo_logger.level, dynamo_logger.propagate) == (logging.WARNING, True)
     dynamo_logger.info("... will fall back to eager-mode PyTorch")
     assert (first.count, second.count) == (0, 1)
     second.uninstall()
     assert (dynamo_logger.level, dynamo_logger.propagate) == (logging.WARNING, True)
     assert _taps.tap(_compat.FALLBACK_LOGGER) not in dynamo_logger.filters
+    assert "isEnabledFor" not in vars(dynamo_logger)
+
+
+def test_a_level_set_while_listening_shows_what_it_shows_without_the_tap(
+    dynamo_logger: logging.Logger,
+) -> None:
+    # torch's set_logs / TORCH_LOGS, or the user, change levels while a tap listens: the
+    # tap lets through what the logger shows now, never what it showed when attached.
+    seen = _Records()
+    parent = dynamo_logger.parent
+    assert parent is not None
+    parent.addHandler(seen)
+    try:
+        with counting.FallbackCounter() as counter:
+            dynamo_logger.info("hidden: WARNING, as attached")
+            dynamo_logger.setLevel(logging.INFO)
+            dynamo_logger.info("shown: INFO set since")
+            dynamo_logger.setLevel(logging.ERROR)
+            dynamo_logger.warning("hidden: ERROR set since")
+            logging.disable(logging.CRITICAL)
+            try:
+                dynamo_logger.critical("hidden by logging.disable... will fall back to eager-mode PyTorch")
+            finally:
+                logging.disable(logging.NOTSET)
+            assert dynamo_logger.level == logging.ERROR  # the tap set no level of its own
+        assert [r.getMessage() for r in seen.records] == ["shown: INFO set since"]
+        assert counter.count == 1  # heard even where logging.disable hides it
+    finally:
+        parent.removeHandler(seen)
 
 
 def test_overlapping_counters_pass_a_warning_on_once(dynamo_logger: logging.Logger) -> None:

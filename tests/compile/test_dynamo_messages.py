@@ -163,3 +163,4 @@ def test_listening_leaves_dynamo_loggers_as_they_were() -> None:
     ):
         assert all(t in log.filters for t, log in zip(taps, loggers, strict=True))
     assert [(log.level, log.propagate, list(log.filters), list(log.handlers)) for log in loggers] == before
+    assert not any("isEnabledFor" in vars(log) for log in loggers)
