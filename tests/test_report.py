@@ -732,4 +732,6 @@ def test_only_steps_that_were_forced_eager_leave_the_steady_state_unmeasured(wea
     assert all(p["measured"] is None for p in data["plans"])
     text = report_exit.format_exit_summary(data, None)
     assert "forward GEMMs ran outside compiled graphs" not in text
-    assert "not measured: every call of 3 module(s) ran under torch.compiler.set_stance('force_eager')" in text
+    assert (
+        "not measured: every call of 3 module(s) ran under torch.compiler.set_stance('force_eager')" in text
+    )
