@@ -41,6 +41,9 @@ class RunState:
         # pieces: region label -> what its compile had to do differently (a piece left
         # unchecked, say), for the plan log and the report.
         self.region_notes: dict[str, list[str]] = {}
+        # region_backend: region label -> (graphs compiled, graphs run eager) its backend was
+        # handed; a label is here from its backend's making (the plan summary says what ran).
+        self.region_graphs: dict[str, tuple[int, int]] = {}
         # plan_log: id(dispatcher) -> its latest plan entry; not yet summarised; a summary waiting.
         self.plans: dict[int, Any] = {}
         self.unsummarised: list[int] = []

@@ -693,3 +693,45 @@ def test_compiles_outside_every_region_are_counted_apart(weave_on) -> None:
         regions,
         total,
     )
+
+
+def _measured_under(stances: list[str]) -> dict:
+    """The report of three checkpointed blocks, compiled one by one, trained a step per stance."""
+    torch._dynamo.reset()
+    _state.reset()
+    torch.manual_seed(0)
+    report.start(None)
+    model = Stack(n=2)
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(cw.checkpoint_wrapper(block), backend="aot_eager")
+    x = torch.randn(4, 8)
+    for stance in stances:
+        with torch.compiler.set_stance(stance):
+            model(x).sum().backward()
+    return report.stop()
+
+
+def test_a_step_under_a_stance_that_forces_eager_is_not_the_steady_state(weave_on) -> None:
+    steady = _measured_under(["default", "default", "default"])
+    assert steady["measured"]["modules"] == 3 and steady["measured"]["eager_gemms"] == 0, steady["measured"]
+    # A step run eager on purpose (an eval, a debug step) between compiled ones: the measure
+    # waits for the next step that may run compiled, and finds what the steady state runs.
+    for stances in (
+        ["default", "force_eager", "default"],
+        ["force_eager", "force_eager", "default"],
+        ["eager_on_recompile", "eager_on_recompile", "default"],  # nothing cached yet: eager
+    ):
+        data = _measured_under(stances)
+        assert data["measured"] == steady["measured"], (stances, data["measured"])
+
+
+def test_only_steps_that_were_forced_eager_leave_the_steady_state_unmeasured(weave_on) -> None:
+    data = _measured_under(["force_eager", "force_eager", "force_eager"])
+    assert data["measured"]["modules"] == 0, data["measured"]
+    assert data["measured"]["not_measured"] == {"force_eager": 3}, data["measured"]
+    assert all(p["measured"] is None for p in data["plans"])
+    text = report_exit.format_exit_summary(data, None)
+    assert "forward GEMMs ran outside compiled graphs" not in text
+    assert (
+        "not measured: every call of 3 module(s) ran under torch.compiler.set_stance('force_eager')" in text
+    )

@@ -111,6 +111,22 @@ def fullgraph_break(message: str) -> BaseException:
         return RuntimeError(message)
 
 
+# The stances of ``torch.compiler.set_stance`` under which a compiled function runs eager: every
+# call (``force_eager``), or wherever its cached graphs do not fit (``eager_on_recompile``).
+EAGER_STANCES = frozenset({"force_eager", "eager_on_recompile"})
+
+
+def eager_stance() -> str | None:
+    """The stance set now when it makes compiled code run eager (``EAGER_STANCES``), else None.
+
+    torch has no public getter for the stance ``torch.compiler.set_stance`` sets (2.6+ keep
+    it in ``torch._dynamo.eval_frame._stance``, a ``DynamoStance``, through 2.15); read
+    afresh each time, since ``set_stance`` rebinds it. None where torch lacks it.
+    """
+    stance = getattr(find_optional("torch._dynamo.eval_frame._stance"), "stance", None)
+    return stance if stance in EAGER_STANCES else None
+
+
 def compile_callbacks() -> Any:
     """dynamo's compile start/end callback registry, or None where torch lacks it."""
     return find_optional("torch._dynamo.callback.callback_handler")

@@ -5,8 +5,11 @@ the report (when collecting) asks it to hand over one later call
 (``observe_next_call``): the forward GEMMs that call left in the autograd graph
 outside compiled graphs (``counting.autograd_gemms``) are what ran eager.
 The measure marks where autograd's graph stood, lets the call run untouched,
-and reads what was added; calls without grad pass to the next. Later calls pay
-nothing.
+and reads what was added; calls without grad pass to the next, and so do calls
+made while ``torch.compiler.set_stance`` makes compiled code run eager (an eval
+or debug step under ``force_eager``): what they run is not the steady state.
+When only such calls came, the report says the module was not measured. Later
+calls pay nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from autoweave import _events
+from autoweave import _compat, _events
 from autoweave.observe import counting, report
 
 
@@ -37,6 +40,10 @@ def on_ac_kept(dispatcher: Any) -> None:
 
 def _measuring(key: int) -> Callable[[], Callable[[Any], None] | None]:
     def before() -> Callable[[Any], None] | None:
+        stance = _compat.eager_stance()
+        if stance is not None:  # runs eager by the user's choice: the next call is measured
+            report.record_unmeasured(key, stance)
+            return None
         since = counting.autograd_mark()  # None without grad: the next call is measured
         if since is None:
             return None

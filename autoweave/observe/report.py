@@ -82,6 +82,14 @@ def record_gemms(key: int, found: counting.AutogradGemms) -> None:
             stats.gemms[key] = found
 
 
+def record_unmeasured(key: int, stance: str) -> None:
+    """A call of the module ``key`` passed unmeasured: ``torch.compiler.set_stance(stance)`` ran it eager."""
+    stats = _stats
+    if stats is not None:
+        with _lock:
+            stats.unmeasured[key] = stance
+
+
 def on_woven_around(dispatcher: Any, fallbacks: int) -> None:
     """A first call fell back (``fallbacks`` messages); autoweave re-planned around the break."""
     if _stats is not None:

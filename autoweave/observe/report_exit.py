@@ -46,12 +46,19 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
     ]
     lines.append(f"  modules planned: {totals['modules']}, woven: {totals['woven']}")
     measured = data.get("measured") or {}
+    unmeasured = "; ".join(
+        f"every call of {count} module(s) ran under torch.compiler.set_stance('{stance}')"
+        for stance, count in (measured.get("not_measured") or {}).items()
+    )
     if measured.get("modules"):
         lines.append(
             f"  measured (one call of each compiled module, autoweave's or not): "
             f"{measured['eager_gemms']} forward GEMMs ran outside compiled graphs; "
             f"{measured['fully_compiled']} of {measured['modules']} modules ran every GEMM compiled"
+            + (f"; not measured: {unmeasured}" if unmeasured else "")
         )
+    elif unmeasured:
+        lines.append(f"  steady state not measured: {unmeasured}")
     kinds = Counter(r["kind"] for r in data["regions"])
     lines.append(
         f"  regions: {kinds.get('woven', 0)} woven, {kinds.get('plain', 0)} plain; "

@@ -79,6 +79,8 @@ class _Stats:
         self.fallbacks = counting.FallbackCounter()
         # id(dispatcher) -> what one steady call of its module left in the autograd graph
         self.gemms: dict[int, counting.AutogradGemms] = {}
+        # id(dispatcher) -> the stance that made a call offered to the measure run eager (passed)
+        self.unmeasured: dict[int, str] = {}
         self._limits = _taps.listening(RecompileLimit, self._on_limit)
         self._unlisten: Callable[[], None] | None = None
         self._unobserve: Callable[[], None] | None = None
@@ -218,6 +220,8 @@ class _Stats:
             key: {"eager_gemms": g.eager, "compiled_graphs": g.compiled_graphs}
             for key, g in self.gemms.items()
         }
+        # Modules whose every call offered to the measure ran under a stance that forces eager.
+        unmeasured = {key: stance for key, stance in self.unmeasured.items() if key not in measured}
         for key, entry in summary.keyed_entries():
             plans.append(
                 {
@@ -273,6 +277,8 @@ class _Stats:
                 "modules": len(measured),
                 "fully_compiled": sum(1 for m in measured.values() if m["eager_gemms"] == 0),
                 "eager_gemms": sum(m["eager_gemms"] for m in measured.values()),
+                # stance -> modules not measured: every call after their compile ran under it
+                "not_measured": dict(Counter(unmeasured.values())),
             },
             # Failures of autoweave's own that failed open (slug -> count; _failopen.swallowed).
             "swallowed": dict(sorted(run.swallowed.items())),

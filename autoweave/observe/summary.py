@@ -9,6 +9,10 @@ step began) or at exit, rank 0 logs one compact tree, identical blocks folded
 into one line; in a job of several ranks the head line says which modules it
 covers (under pipeline parallel, one stage's). A module planned again after it
 was summarised gets one line saying what changed.
+
+A plan says "compiled"; the summary says what ran: a region whose backend was
+handed no graph is told as "not run yet" (its module has not run the plan) or
+"ran eager (0 graphs)", its plan after it (``region_ran``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import logging
 import re
 import sys
 import threading
+import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,14 +69,37 @@ def region_notes(label: str | None) -> list[str]:
     return list(run.region_notes.get(label, ())) if label else []
 
 
-def _decision_lines(plan: Plan, name: str, indent: str, regions: dict[str, str] | None = None) -> list[str]:
+def region_ran(label: str | None, ran: bool) -> str | None:
+    """What a region's compile came to, where "compiled" would say more than what ran; else None.
+
+    Read from the graphs its backend was handed (``_state.run.region_graphs``): None
+    when it compiled every one, or is not counted (no label: a plan that has not been
+    applied; a region compiled without autoweave's backend). ``ran``: its module has
+    run the plan (its first woven call is over).
+    """
+    counts = run.region_graphs.get(label) if label else None
+    if counts is None:
+        return None
+    compiled, eager = counts
+    if compiled:
+        return f"{compiled} graph(s) compiled, {eager} ran eager" if eager else None
+    if not ran:
+        return "not run yet"
+    return f"ran eager (0 graphs compiled, {eager} traced and run eager)" if eager else "ran eager (0 graphs)"
+
+
+def _decision_lines(
+    plan: Plan, name: str, indent: str, regions: dict[str, str] | None = None, ran: bool = True
+) -> list[str]:
     lines = []
     for decision in plan.decisions:
         shown = display_path(decision.path)
         depth = 0 if shown == "<root>" else shown.count(".") + 1
+        action = f"{_VERBS[decision.action]}: {decision.reason}"
+        status = region_ran((regions or {}).get(decision.path), ran) if decision.region else None
         lines.append(
             f"{indent}{'  ' * depth}{join_path(name, decision.path)} [{decision.module_type}] "
-            f"{_VERBS[decision.action]}: {decision.reason}"
+            + (f"{status}; planned {action}" if status else action)
         )
         for note in region_notes((regions or {}).get(decision.path)):
             lines.append(f"{indent}{'  ' * (depth + 1)}note: {note}")
@@ -121,6 +150,8 @@ class Entry:
     regions: dict[str, str] = field(default_factory=dict)  # plan path -> region label
     plain_label: str | None = None  # the counted plain compile, when not woven
     model: tuple[str, int] | None = None  # the model it was found in: its root's class, an index per class
+    # A weak reference to the dispatcher that applied the plan (None: no dispatcher, ``explain``).
+    dispatcher: Any = field(default=None, repr=False, compare=False)
 
     @property
     def full_name(self) -> str:
@@ -136,6 +167,27 @@ class Entry:
 
     def key(self) -> tuple[str, str]:
         return (self.type_name, format_plan(self.plan, type_name=self.type_name).split(": ", 1)[1])
+
+    def ran(self) -> bool:
+        """Has its module run this plan (the first call of its regions is over)?
+
+        A dispatcher gone (its model deleted before exit) had its calls: taken as run.
+        """
+        dispatcher = self.dispatcher() if self.dispatcher is not None else None
+        return (
+            dispatcher is None or getattr(getattr(dispatcher, "state", None), "value", None) == _events.WOVEN
+        )
+
+    def region_statuses(self) -> tuple[str | None, ...]:
+        """``region_ran`` of each of its regions, in plan order."""
+        ran = self.ran()
+        return tuple(region_ran(self.regions.get(d.path), ran) for d in self.plan.regions())
+
+    def headline(self) -> str:
+        """The plan's headline, and what its regions came to where that is not "compiled"."""
+        statuses = Counter(s for s in self.region_statuses() if s is not None)
+        counted = ", ".join(f"{n} of them {status}" for status, n in statuses.items())
+        return self.plan.headline() + (f"; {counted}" if counted else "")
 
 
 def model_names() -> dict[tuple[str, int], str]:
@@ -163,9 +215,10 @@ def format_summary(entries: list[Entry], *, covers: str = "") -> str:
 
     ``covers``: what the head line says this rank's plans cover, in a job of several ranks.
     """
-    groups: dict[tuple[str, str], list[Entry]] = {}
+    groups: dict[tuple, list[Entry]] = {}
     for entry in entries:
-        groups.setdefault(entry.key(), []).append(entry)
+        # Equal plans whose regions came to different things are not "the same plan".
+        groups.setdefault((*entry.key(), entry.region_statuses()), []).append(entry)
     woven = sum(1 for e in entries if e.plan.woven)
     lines = [
         f"autoweave plan: {len(entries)} compiled module{'s' * (len(entries) != 1)}, {woven} woven"
@@ -178,8 +231,8 @@ def format_summary(entries: list[Entry], *, covers: str = "") -> str:
             count = f"{len(members)} × " if len(members) > 1 else ""
             lines.append(f"  {names} ({count}{first.type_name}): {first.plan.headline()}")
             continue
-        lines.append(f"  {first.shown} ({first.type_name}): {first.plan.headline()}")
-        lines.extend(_decision_lines(first.plan, first.full_name, "    ", first.regions))
+        lines.append(f"  {first.shown} ({first.type_name}): {first.headline()}")
+        lines.extend(_decision_lines(first.plan, first.full_name, "    ", first.regions, first.ran()))
         if len(members) > 1:
             rest = members[1:]
             if all(m.name for m in rest):
@@ -276,7 +329,16 @@ def on_planned(dispatcher: Any, plan: Plan) -> None:
 
 
 def on_called_again(dispatcher: Any) -> None:
-    """``_events.CALLED_AGAIN``: an already planned module is called again: every block has planned."""
+    """``_events.CALLED_AGAIN``: an already planned module is called again: every block has planned.
+
+    Unless this call is the first of a plan it applied just now (learned from a fallback
+    in the last call): the summary would have nothing but "not run yet" to say of it;
+    it is logged at the module's next call, once that plan ran.
+    """
+    with _lock:
+        entry = run.plans.get(id(dispatcher))
+    if entry is not None and entry.plan.woven and not entry.ran():
+        return
     with guard("logging the plan summary", quiet=True):
         flush()
 
@@ -307,6 +369,7 @@ def _record(dispatcher: Any, plan: Plan, plain_label: str | None, caller: Any) -
         regions=dict(applied.regions) if applied is not None else {},
         plain_label=plain_label,
         model=_model_of(root),
+        dispatcher=_weak(dispatcher),
     )
     with _lock:
         key = id(dispatcher)
@@ -315,6 +378,13 @@ def _record(dispatcher: Any, plan: Plan, plain_label: str | None, caller: Any) -
             run.unsummarised.append(key)
         run.summary_pending = True
     return entry
+
+
+def _weak(dispatcher: Any) -> Any:
+    try:
+        return weakref.ref(dispatcher)
+    except TypeError:  # a stand-in without weak references: its state is not known
+        return None
 
 
 def waiting() -> bool:

@@ -15,7 +15,10 @@ the callable torch would have built from the user's ``backend``/``mode``/
   knows how);
 - telling its observers about each graph (the report subscribes, see
   ``observe_graphs``): observing hands dynamo the very same backend, so a run
-  with the report on compiles exactly what a run without it does.
+  with the report on compiles exactly what a run without it does;
+- counting the graphs it was handed, compiled or run eager, per region
+  (``_state.run.region_graphs``, always: once per graph, never per call), so the
+  plan summary says what ran, not only what was planned.
 
 ``apply`` builds one backend per region key, so identical blocks share it by
 construction, and dynamo (which matches a frame's cached graphs to the current
@@ -39,6 +42,7 @@ from typing import Any
 from autoweave import _compat
 from autoweave._failopen import RAN_EAGER, first_line, runs_eager, swallowed
 from autoweave._log import logger
+from autoweave._state import run
 from autoweave.weave.pieces import CheckpointPieces
 
 
@@ -103,6 +107,7 @@ class RegionBackend(_compat.ForwardsToInner):
         self.before_graph: list[Callable[[], None]] = []
         # The region's checkpoint, applied to each graph piece; None: graphs compiled as they are.
         self.pieces = None if checkpoint_fn is None else CheckpointPieces(checkpoint_fn, label)
+        run.region_graphs.setdefault(label, (0, 0))  # counted from now on: 0 graphs is a fact
 
     def __eq__(self, other: object) -> bool:
         # Equal when compiling alike: the same inner backend and no pieces (a pieces
@@ -126,14 +131,20 @@ class RegionBackend(_compat.ForwardsToInner):
             except Exception as exc:  # reading evidence must never fail a compile
                 logger.debug("a listener of %s failed", self.label, exc_info=exc)
         if not _observers:
-            return self._compile(gm, example_inputs)
+            return self._count(self._compile(gm, example_inputs))
         ops = ops_in(gm)  # before the backend, which may rewrite the graph
         start = time.perf_counter()
-        compiled = self._compile(gm, example_inputs)
+        compiled = self._count(self._compile(gm, example_inputs))
         seconds = time.perf_counter() - start
         self._tell(
             CompiledGraph(self.label, graph_name(gm), ops, getattr(compiled, RAN_EAGER, None), seconds)
         )
+        return compiled
+
+    def _count(self, compiled: Any) -> Any:
+        done, eager = run.region_graphs.get(self.label, (0, 0))
+        ran_eager = getattr(compiled, RAN_EAGER, None) is not None
+        run.region_graphs[self.label] = (done + (not ran_eager), eager + ran_eager)
         return compiled
 
     def _compile(self, gm: Any, example_inputs: Any) -> Any:

@@ -127,3 +127,70 @@ def _selective():
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts(lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+# -- what ran, not only what was planned ----------------------------------------------------
+
+
+def _layer_unit_with_a_nested_unit() -> nn.Module:
+    """A layer that checkpoints a helper of its forward, an FSDP unit holding the experts' unit."""
+    from tests import break_models as bm
+    from tests.models import make_break
+
+    layer = bm.HelperCheckpointBlock()
+    make_break(layer.experts)
+    return make_break(layer)
+
+
+def test_a_region_that_compiled_no_graph_is_not_said_to_be_compiled(caplog: pytest.LogCaptureFixture) -> None:
+    # Whole-model compile over layers that checkpoint in their forward and hold a nested unit:
+    # the layers' region is handed no graph (issue 31), yet the plan says "forward compiled".
+    from autoweave.observe import counting
+    from tests import break_models as bm
+
+    torch.manual_seed(0)
+    model = torch.compile(bm.Stack([_layer_unit_with_a_nested_unit() for _ in range(2)]), backend="aot_eager")
+    x = torch.randn(6, bm.DIM)
+    with caplog.at_level(logging.INFO, logger="autoweave"):
+        for _ in range(3):
+            model(x).sum().backward()
+    since = counting.autograd_mark()
+    ran = counting.autograd_gemms(model(x), since)
+    assert ran is not None and ran.eager >= 2  # each layer's own GEMM ran outside compiled graphs
+    (text,) = _summaries(caplog)
+    lines = {line.strip().split(" [")[0]: line.strip() for line in text.splitlines()}
+    planned = "boundary: a hook is torch.compiler.disable'd → hooks stay eager, forward compiled and split at nested boundaries"
+    assert lines["layers.0"] == f"layers.0 [HelperCheckpointBlock] ran eager (0 graphs); planned {planned}", (
+        text
+    )
+    assert lines["layers.1"].startswith("layers.1 [HelperCheckpointBlock] ran eager (0 graphs); planned"), (
+        text
+    )
+    # The experts' region compiled its graph: its line is the plan's, as before.
+    assert "] boundary: a hook" in lines["layers.0.experts"], text
+    assert text.splitlines()[1].endswith("; 2 of them ran eager (0 graphs)"), text
+
+
+def test_a_region_whose_module_has_not_run_its_plan_says_not_run_yet(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    wrapper = cw.checkpoint_wrapper(Block())
+
+    def fail_once(module: nn.Module, args: tuple) -> None:
+        handle.remove()
+        raise ValueError("the model's own error")
+
+    handle = wrapper._checkpoint_wrapped_module.register_forward_pre_hook(fail_once)
+    model = torch.compile(wrapper, backend="aot_eager")
+    with pytest.raises(ValueError):
+        model(torch.randn(4, 8))
+    with caplog.at_level(logging.INFO, logger="autoweave"):
+        summary.flush()  # what exit logs: the plan was made, its regions never ran
+        model(torch.randn(4, 8)).sum().backward()
+        model(torch.randn(4, 8)).sum().backward()
+        summary.flush()
+    first, *rest = _summaries(caplog)
+    assert first.splitlines()[1].endswith("; 2 of them not run yet"), first
+    region_lines = [line for line in first.splitlines()[2:] if "[Block]" in line or "[Experts]" in line]
+    assert region_lines and all("not run yet; planned " in line for line in region_lines), first
+    assert not rest  # ran since: the same plan, nothing to say again
