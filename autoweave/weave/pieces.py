@@ -255,6 +255,10 @@ class CheckpointPieces:
         del self._raised[:]
         try:
             return inner(self.wrap(gm), example_inputs)
+        except _compat.backend_errors_dynamo_handles():
+            # A restart (a float made a tensor, say), a skip, a user's dim error: dynamo acts on
+            # it as it does for plain torch's backend; swallowed, the piece would run eager.
+            raise
         except Exception as exc:
             if self._users(exc):
                 # The user's policy (or context_fn) raised: not autoweave's to report.

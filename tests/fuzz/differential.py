@@ -1,0 +1,288 @@
+"""Run one drawn case under plain torch and under autoweave, in this process, and compare (issue 31).
+
+Both runs start from the same state: dynamo reset, autoweave's run state reset,
+the same parameters and inputs. Plain torch is the same code compiled inside
+``autoweave.disabled()``. What is compared is what the guarantee promises
+(docs/guarantees.md): the same error where plain raises (none where it trains),
+equal losses and grads, equal hook calls, activation memory at most 1.05x,
+recompiles at most plain's plus the woven frames', nothing left alive after the
+model is dropped that plain torch frees, and the same torch warnings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import re
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+import autoweave
+from autoweave import _compat, _state
+from benchmarks.measure import heap_in_use
+from tests.fuzz.grammar import DIM, Case, block_of, build, lengths_of
+
+BACKEND = "aot_eager"
+MEMORY_RATIO = 1.05
+# The C heap also holds what a forward allocates besides tensors (autograd's nodes, Python's
+# objects): a few KiB, against activations of 16 KiB each (a batch of 64).
+MEMORY_SLACK = 8 * 1024
+# torch's records that follow from what autoweave compiles, not from what it observes: a
+# recompile-limit warning (compared as recompiles), and torch's note that a selective
+# checkpoint runs under torch.compile (the ``pieces`` strategy puts it there).
+CONSEQUENCES = {"torch._dynamo.convert_frame", "torch._higher_order_ops.wrap"}
+
+
+@dataclasses.dataclass
+class Outcome:
+    error: tuple[int, str] | None = None  # (step, exception type) where the run raised
+    losses: list[float] = dataclasses.field(default_factory=list)
+    grads: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+    hook_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    held_bytes: int | None = None  # C heap a training forward leaves held for backward
+    frames: dict[int, int] = dataclasses.field(default_factory=dict)  # frame id -> its recompiles
+    recompiles: int = 0
+    alive_after_drop: bool = False
+    warnings: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+
+
+class _TorchWarnings(logging.Handler):
+    """torch's WARNING-and-above records (what a user sees by default), as (logger, level)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: list[tuple[str, int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((record.name, record.levelno))
+
+
+@contextlib.contextmanager
+def _compiles(outcome: Outcome) -> Iterator[Any]:
+    """dynamo's compiles while inside: frames by id, recompiles counted (re-registered after resets)."""
+    callbacks = _compat.compile_callbacks()
+
+    def on_start(args: object = None, *_: object) -> None:
+        if getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO") != "DYNAMO":
+            return
+        match = re.search(r"(\d+)/(\d+)", str(getattr(args, "compile_id", "")))
+        if match:
+            frame, attempt = int(match.group(1)), int(match.group(2))
+            outcome.frames[frame] = max(outcome.frames.get(frame, 0), attempt)
+            outcome.recompiles += attempt > 0
+
+    def register() -> None:
+        callbacks.remove_start_callback(on_start) if on_start in _starts(callbacks) else None
+        callbacks.register_start_callback(on_start)
+
+    register()
+    try:
+        yield register
+    finally:
+        with contextlib.suppress(Exception):
+            callbacks.remove_start_callback(on_start)
+
+
+def _starts(callbacks: Any) -> list[Any]:
+    return list(getattr(callbacks, "start_callbacks", ()))
+
+
+def _compile(case: Case, model: torch.nn.Module, *, on: bool) -> torch.nn.Module:
+    """``model`` compiled as ``case.form`` says; returns what the training loop calls."""
+    options: dict[str, Any] = {"backend": BACKEND, "fullgraph": case.fullgraph}
+    if case.lengths == "dynamic=True":
+        options["dynamic"] = True
+    targets = list(model.layers) if "block" in case.form else [model]
+    if on:
+        for target in targets:
+            autoweave.set_mode(target, strategy=case.strategy)
+    with contextlib.nullcontext() if on else autoweave.disabled():
+        if case.form == "torch.compile(block)":
+            for i, layer in enumerate(list(model.layers)):
+                model.layers[i] = torch.compile(layer, **options)
+        elif case.form == "block.compile()":
+            for layer in model.layers:
+                layer.compile(**options)
+        elif case.form == "torch.compile(model)":
+            return torch.compile(model, **options)
+        else:
+            model.compile(**options)
+    return model
+
+
+def _hook(case: Case, outcome: Outcome, key: str, kind: str) -> Any:
+    """A hook that counts its calls and changes what it sees (a skipped hook changes the loss)."""
+
+    def forward_hook(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+        outcome.hook_calls[key] = outcome.hook_calls.get(key, 0) + 1
+        return output * 1.25
+
+    def pre_hook(module: Any, args: tuple) -> tuple:
+        outcome.hook_calls[key] = outcome.hook_calls.get(key, 0) + 1
+        return (args[0] * 0.75, *args[1:])
+
+    def backward_hook(module: Any, grad_input: tuple, grad_output: tuple) -> tuple:
+        outcome.hook_calls[key] = outcome.hook_calls.get(key, 0) + 1
+        return tuple(None if g is None else g * 1.5 for g in grad_input)
+
+    return {"forward": forward_hook, "pre": pre_hook, "backward": backward_hook}[kind]
+
+
+def _register(module: torch.nn.Module, kind: str, hook: Any) -> Any:
+    if kind == "forward":
+        return module.register_forward_hook(hook)
+    if kind == "pre":
+        return module.register_forward_pre_hook(hook)
+    return module.register_full_backward_hook(hook)
+
+
+def _input(case: Case, step: int, length: int) -> torch.Tensor:
+    x = torch.randn(64, length, DIM, generator=torch.Generator().manual_seed(1000 + step))
+    if case.lengths == "mark_dynamic":
+        torch._dynamo.mark_dynamic(x, 1)
+    return x
+
+
+def _train(case: Case, outcome: Outcome, *, on: bool) -> None:
+    torch._dynamo.reset()
+    _state.reset()
+    model = build(case)
+    param = weakref.ref(model.layers[0].get_parameter(next(n for n, _ in model.layers[0].named_parameters())))
+    hooks: dict[tuple, Any] = {}
+    step = -1
+    with _compiles(outcome) as reregister:
+        try:
+            call = _compile(case, model, on=on)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            for step, length in enumerate(lengths_of(case)):
+                stance = contextlib.nullcontext()
+                for at, event, layer, on_sub, kind in case.events:
+                    if at != step:
+                        continue
+                    block = block_of(model, layer)
+                    target = block.q if on_sub else block
+                    key = (layer, on_sub, kind)
+                    if event == "hook-add" and key not in hooks:
+                        hooks[key] = _register(
+                            target, kind, _hook(case, outcome, f"{layer}.{on_sub}.{kind}", kind)
+                        )
+                    elif event == "hook-remove" and key in hooks:
+                        hooks.pop(key).remove()
+                    elif event == "reset":
+                        torch._dynamo.reset()
+                        reregister()
+                    elif event == "force-eager":
+                        stance = torch.compiler.set_stance("force_eager")
+                    elif event == "eval-step":
+                        call.eval()
+                        with torch.no_grad():
+                            outcome.losses.append(
+                                call(_input(case, 100 + step, length)).square().mean().item()
+                            )
+                        call.train()
+                with stance:
+                    x = _input(case, step, length)
+                    gc.collect()
+                    before = heap_in_use()
+                    loss = call(x).square().mean()
+                    if step == case.steps - 1 and before is not None:
+                        outcome.held_bytes = heap_in_use() - before
+                    loss.backward()
+                outcome.losses.append(loss.item())
+                if step == case.steps - 1:
+                    outcome.grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+                opt.step()
+                opt.zero_grad()
+            step = case.steps
+            # One more step, its forward under the user's saved-tensor hooks (CPU offload's form).
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                loss = call(_input(case, step, lengths_of(case)[-1])).square().mean()
+            loss.backward()
+            outcome.losses.append(loss.item())
+        except Exception as exc:  # the comparison is whether plain torch raises it too
+            outcome.error = (step, type(exc).__name__)
+        finally:
+            for handle in hooks.values():
+                handle.remove()
+    del model, call, opt, hooks
+    gc.collect()
+    outcome.alive_after_drop = param() is not None
+
+
+def run(case: Case, *, on: bool) -> Outcome:
+    """One run of ``case``: plain torch (``on=False``) or autoweave."""
+    outcome = Outcome()
+    handler = _TorchWarnings()
+    torch_logger = logging.getLogger("torch")
+    torch_logger.addHandler(handler)
+    config = {} if case.recompile_limit is None else {"recompile_limit": case.recompile_limit}
+    try:
+        with torch._dynamo.config.patch(**config), torch.random.fork_rng():
+            _train(case, outcome, on=on)
+    finally:
+        torch_logger.removeHandler(handler)
+        torch._dynamo.reset()
+        _state.reset()
+    outcome.warnings = sorted(handler.seen)
+    return outcome
+
+
+def differences(case: Case, plain: Outcome, woven: Outcome, bound: Outcome) -> list[str]:
+    """What autoweave did that plain torch did not, in words; [] when the run is as plain.
+
+    ``bound``: plain torch on the same blocks without their break (what compiling them costs).
+    """
+    out = []
+    if plain.error != woven.error:
+        out.append(f"error: plain {plain.error}, autoweave {woven.error}")
+        return out
+    if len(plain.losses) != len(woven.losses) or not all(
+        abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(plain.losses, woven.losses, strict=True)
+    ):
+        out.append(f"losses: plain {plain.losses}, autoweave {woven.losses}")
+    for i, (a, b) in enumerate(zip(plain.grads, woven.grads, strict=False)):
+        if (a is None) != (b is None) or (a is not None and not torch.allclose(a, b, rtol=1e-6, atol=1e-7)):
+            out.append(f"grad of parameter {i} differs")
+            break
+    if plain.hook_calls != woven.hook_calls:
+        out.append(f"hook calls: plain {plain.hook_calls}, autoweave {woven.hook_calls}")
+    # The memory bound is the default's (``auto``); a strategy asked for by name holds what it holds.
+    if case.strategy == "auto" and plain.held_bytes is not None and woven.held_bytes is not None:
+        if woven.held_bytes > MEMORY_RATIO * plain.held_bytes + MEMORY_SLACK:
+            out.append(f"activation memory: plain {plain.held_bytes} B, autoweave {woven.held_bytes} B")
+    # Each frame autoweave compiles may recompile as often as plain torch recompiles the same
+    # block without its break (per value, per shape, per grad mode), once more for a dynamic
+    # length learned a step later, and again after each reset.
+    resets = 1 + sum(event == "reset" for _, event, *_ in case.events)
+    per_frame = resets * (1 + max(bound.frames.values(), default=0))
+    if woven.recompiles > plain.recompiles + len(woven.frames) * per_frame:
+        out.append(
+            f"recompiles: plain {plain.recompiles}, autoweave {woven.recompiles} over {len(woven.frames)} "
+            f"frames (at most {per_frame} each; the block without its break recompiles a frame "
+            f"{max(bound.frames.values(), default=0)} times)"
+        )
+    if woven.alive_after_drop and not plain.alive_after_drop:
+        out.append("the dropped model stays alive (plain torch frees it)")
+    shown = {w for w in plain.warnings if w[0] not in CONSEQUENCES}
+    woven_shown = {w for w in woven.warnings if w[0] not in CONSEQUENCES}
+    if shown != woven_shown:
+        out.append(f"torch warnings: plain {sorted(shown)}, autoweave {sorted(woven_shown)}")
+    return out
+
+
+def check(seed: int) -> tuple[Case, list[str]]:
+    """Draw case ``seed``, run it both ways, and list the differences."""
+    from tests.fuzz.grammar import draw
+
+    case = draw(seed)
+    plain = run(case, on=False)
+    woven = run(case, on=True)
+    bound = Outcome()  # run only where the recompiles need it: a third run costs as much again
+    if woven.recompiles > plain.recompiles + len(woven.frames):
+        bound = run(dataclasses.replace(case, brk="none"), on=False)
+    return case, differences(case, plain, woven, bound)
