@@ -127,3 +127,38 @@ def register_module_registration_hook(hook: Any) -> Any:
 
     register = getattr(module_mod, "register_module_module_registration_hook", None)
     return None if register is None else register(hook)
+
+
+def process_groups_of(module: Any) -> list[Any]:
+    """The process groups ``module``'s own parameters are sharded over, in a fixed order; [] if none.
+
+    The ranks in each run ``module``'s forward: they gather its parameters together.
+    FSDP2 (``fully_shard``): each mesh dimension of each of its parameter groups
+    (``FSDPState._fsdp_param_groups``, ``_fsdp_param_group`` before per-parameter
+    meshes), read from its state because inside its forward the parameters are
+    unsharded, plain tensors. FSDP1: its public ``process_group``, and the
+    replicas' ``_inter_node_pg`` under hybrid sharding. Tensor parallel: the mesh
+    of a ``DTensor`` parameter (public). Anything unreadable counts as none.
+    """
+    groups: list[Any] = []
+    try:
+        fsdp2, fsdp1 = fsdp2_module(), fsdp1_module()
+        meshes = []
+        if fsdp2 is not None and isinstance(module, fsdp2):
+            state = module._get_fsdp_state()
+            param_groups = getattr(state, "_fsdp_param_groups", None)
+            if param_groups is None:
+                param_groups = [getattr(state, "_fsdp_param_group", None)]
+            meshes += [g.mesh_info.mesh for g in param_groups if g is not None]
+        if fsdp1 is not None and isinstance(module, fsdp1):
+            groups += [
+                g for g in (module.process_group, getattr(module, "_inter_node_pg", None)) if g is not None
+            ]
+        dtensor = find_optional("torch.distributed.tensor.DTensor")
+        if dtensor is not None:
+            meshes += [p.device_mesh for p in module.parameters(recurse=False) if isinstance(p, dtensor)]
+        for mesh in meshes:
+            groups += mesh.get_all_groups()
+    except Exception:  # a torch whose FSDP keeps its mesh elsewhere: no group known
+        return []
+    return groups

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
@@ -30,7 +31,7 @@ from autoweave._compat.log_strings import FallbackBreak
 from autoweave._failopen import AutoweaveError, FailedFrames, _strict, frames_fail_open, guard, swallowed
 from autoweave._log import logger
 from autoweave._state import run as _run
-from autoweave.dispatch import plan_inputs
+from autoweave.dispatch import agreement, plan_inputs
 from autoweave.dispatch.states import _RUNS_REGIONS, _TRANSITIONS, State, Why
 from autoweave.observe import counting, graph_breaks, summary
 from autoweave.planning import learned_breaks, planner, tree_changes
@@ -80,6 +81,9 @@ class _Dispatcher:
         eager: Callable[..., Any],
     ) -> None:
         self.target = target  # the module handed to compile (an AC wrapper, a block)
+        # What compile returned (an OptimizedModule that fully_shard may wrap, or the target):
+        # the ranks its parameters are sharded over are those that agree (``agreement``).
+        self.holder: Callable[[], nn.Module | None] = weakref.ref(target)
         self.compile_kwargs = compile_kwargs
         self.state = State.UNPLANNED
         self.history: list[tuple[State, Why]] = []  # each move, for the debug log and tests
@@ -194,6 +198,7 @@ class _Dispatcher:
         plain_forward = optimized.forward
         target = _compat.compiled_inner(optimized)
         dispatcher = cls(target, compile_kwargs, lambda: plain_forward, target.__call__)
+        dispatcher.holder = weakref.ref(optimized)
         optimized.forward = dispatcher.call
         _instances.attach(optimized, dispatcher)
         # copy.deepcopy(optimized) rebuilds a plain OptimizedModule: weave the copy too.
@@ -287,13 +292,54 @@ class _Dispatcher:
         return plain
 
     def _watched(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """Run a first call listening for dynamo's AC fallback; on one, re-plan around the break."""
+        """Run a first call listening for dynamo's AC fallback; on one on any rank, re-plan around the break.
+
+        Every rank running the target agrees on what broke, at the end of this
+        call, whether it saw a fallback or not (``agreement``): a break only one
+        rank's data reached is planned around on every rank.
+        """
         with counting.FallbackCounter() as watch:
             out = call(*args, **kwargs)
+        located = self._agreed_breaks(watch.breaks if watch.count else None)
+        if located is not None:
+            self._on_hidden_fallback(located)
         if watch.count:
-            self._on_hidden_fallback(watch.breaks)
             _events.publish(_events.WOVEN_AROUND, self, watch.count)
         return out
+
+    def _agree(self, flags: list[bool]) -> list[bool]:
+        """Each flag, true if it is on any rank that runs this target (``agreement.any_rank``)."""
+        holder = self.holder()  # not ``or``: a module may define __len__
+        return agreement.any_rank(self.target if holder is None else holder, flags)
+
+    def _agreed_breaks(self, breaks: list[FallbackBreak] | None) -> dict[int, str] | None:
+        """The modules (by id) any rank saw break (None: no rank saw a fallback); ``breaks``: this rank's.
+
+        A module only another rank located is planned around too, with a reason
+        saying so (the flags go by position in the target's module tree, the
+        same on every rank).
+        """
+        target = planner.unwrap(self.target)
+        located: dict[int, str] = {}
+        with guard(f"locating a graph break in {type(self.target).__name__}"):
+            if breaks is not None:
+                located = learned_breaks.locate(target, breaks)
+                if not located and planner.checkpoint_spec(target) is not None:
+                    # No location from dynamo: the wrapped block breaks somewhere; hoist
+                    # around it still compiles all but the break.
+                    located = {
+                        id(
+                            _compat.checkpoint_wrapped(target)
+                        ): "a graph break inside (dynamo gave no location)"
+                    }
+        modules = list(target.modules())
+        *flags, fell_back = self._agree([id(m) in located for m in modules] + [breaks is not None])
+        if not fell_back:
+            return None
+        elsewhere = "a graph break in its forward on another rank (its data took a path this rank's did not)"
+        return {
+            id(m): located.get(id(m), elsewhere) for m, broke in zip(modules, flags, strict=True) if broke
+        }
 
     def _first_woven_call(self, args: tuple, kwargs: dict) -> Any:
         """The woven regions compile now, in a call that runs once, whatever fails.
@@ -454,23 +500,17 @@ class _Dispatcher:
                 _compile_function,
                 self.compile_kwargs,
                 on_ac_kept=functools.partial(_events.publish, _events.AC_KEPT, self),
+                agree=self._agree,
             )
         self.skip_outer_checkpoint = plan.outer_push_down is not None and self._applied is not None
         self._enter(State.TRIAL if self._applied is not None else State.PLAIN, why)
         logger.debug("%s: %s", plan.root_type, plan.headline())
         _events.publish(_events.PLANNED, self, plan)
 
-    def _on_hidden_fallback(self, breaks: list[FallbackBreak]) -> None:
+    def _on_hidden_fallback(self, located: dict[int, str]) -> None:
+        """Dynamo ran a checkpointed region eager (on some rank): re-plan around ``located`` from the next call."""
         with self._lock, guard(f"re-planning {type(self.target).__name__}"):
             target = planner.unwrap(self.target)
-            located = learned_breaks.locate(target, breaks)
-            spec = planner.checkpoint_spec(target)
-            if not located and spec is not None:
-                # No location from dynamo: the wrapped block breaks somewhere; hoist
-                # around it still compiles all but the break.
-                located = {
-                    id(_compat.checkpoint_wrapped(target)): "a graph break inside (dynamo gave no location)"
-                }
             learn_breaks(target, located)
             learned: dict[str, Any] = {"breaks": {**self._learned.get("breaks", {}), **located}}
             plan = self._plan(learned)

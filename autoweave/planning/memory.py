@@ -52,18 +52,37 @@ def size_text(size: int) -> str:
 class Verdict:
     """One measured first call of a block woven as pieces."""
 
-    held: int  # bytes the pieces kept for backward
+    held: int | None  # bytes the pieces kept for backward (None: not measured on this rank)
     eager_sac: int | None  # bytes eager selective AC would keep (None: cannot be told)
     failed: tuple[str, ...] = ()  # why pieces autoweave could not compile ran eager instead
+    # Another rank running the block measured a hoist verdict (``dispatch/agreement``): its data
+    # differ (a longer sequence); every rank plans the block alike, or they could hang.
+    elsewhere: bool = False
+
+    @property
+    def hoist_here(self) -> bool:
+        """This rank's measure says hoist: pieces ran eager, or hold more than eager SAC would."""
+        if self.failed:
+            return True
+        return self.held is not None and self.eager_sac is not None and self.held > self.eager_sac * TOLERANCE
 
     @property
     def hoist(self) -> bool:
-        """Plan the block with ``hoist`` instead: pieces ran eager, or hold more than eager SAC would."""
-        return bool(self.failed) or (self.eager_sac is not None and self.held > self.eager_sac * TOLERANCE)
+        """Plan the block with ``hoist`` instead: this rank's measure says so, or another rank's did."""
+        return self.hoist_here or self.elsewhere
 
     def describe(self) -> str:
+        if self.elsewhere and not self.hoist_here:
+            return (
+                f"another rank running it measured that it should be planned with hoist; here {self._here()}"
+            )
+        return self._here()
+
+    def _here(self) -> str:
         if self.failed:
             return f"{len(self.failed)} of its pieces ran eager under their checkpoint: {self.failed[0]}"
+        if self.held is None:
+            return "not measured (saved-tensor hooks were in force around its first call)"
         if self.eager_sac is None:
             return f"pieces hold {size_text(self.held)} for backward (eager selective AC's could not be told)"
         return (

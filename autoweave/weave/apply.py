@@ -346,7 +346,11 @@ def _policy_bytes(pieces: list[CheckpointPieces]) -> int | None:
 
 
 def _measuring_first_call(
-    applied: Applied, module: nn.Module, decision: Any, pieces: list[CheckpointPieces]
+    applied: Applied,
+    module: nn.Module,
+    decision: Any,
+    pieces: list[CheckpointPieces],
+    agree: Callable[[list[bool]], list[bool]],
 ) -> Callable[..., Any]:
     """``module``'s forward without its checkpoint, its first call with grad measured (``memory``)."""
 
@@ -370,7 +374,7 @@ def _measuring_first_call(
         return tuple(why for p in pieces for why in p.failed_pieces)
 
     return FirstCall(
-        module, _without_checkpoint(module), functools.partial(_policy_bytes, pieces), done, failed
+        module, _without_checkpoint(module), functools.partial(_policy_bytes, pieces), done, failed, agree
     )
 
 
@@ -380,13 +384,15 @@ def apply_plan(
     compile_fn: Callable[..., Any],
     compile_kwargs: dict[str, Any],
     on_ac_kept: Callable[[], None] | None = None,
+    agree: Callable[[list[bool]], list[bool]] = list,
 ) -> Applied:
     """Install the plan's regions under ``root`` (the unwrapped compile target).
 
     ``compile_fn`` compiles a function (``torch.compile``), each region through
     its ``RegionBackend`` (whose observers the report subscribes to).
     ``on_ac_kept`` is told when a pieces block is put back under its checkpoint
-    at dynamo's recompile limit (``keep_checkpoint``).
+    at dynamo's recompile limit (``keep_checkpoint``). ``agree(flags)``: each
+    flag, true if it is on any rank that runs the plan (``dispatch/agreement``).
     """
     applied = Applied()
     pieces_blocks: dict[str, nn.Module] = {}  # path -> AC wrapper whose checkpoint moved into pieces
@@ -416,7 +422,7 @@ def apply_plan(
                 # auto chose pieces for this selective AC: whether they hold more than
                 # eager SAC would is measured at the first call (see ``memory``).
                 forward = _measuring_first_call(
-                    applied, module, decision, pieces.setdefault(id(decision.ac), [])
+                    applied, module, decision, pieces.setdefault(id(decision.ac), []), agree
                 )
             elif decision.action is Action.PIECES:
                 forward = _without_checkpoint(module)

@@ -10,12 +10,16 @@ this module measures it, around the block's first call with grad:
 - what eager selective AC would hold: the block's tensor inputs
   (``tensor_bytes``) and its policy's saves, as the pieces' tracing showed them.
 
-The verdict is kept for every block of its kind (``planning/learned``); the
-measure then steps aside (``FirstCall``), so later calls pay nothing.
+The verdict is agreed with the other ranks that run the block (``agree``, from
+``dispatch/agreement``: the length each rank saw changes what it measures, and
+ranks planning the block differently could hang), kept for every block of its
+kind (``planning/learned``); the measure then steps aside (``FirstCall``), so
+later calls pay nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -137,8 +141,10 @@ class FirstCall:
     ``policy_bytes()`` is what the policy saved while the pieces were traced
     (None: not known), ``failed()`` why pieces autoweave could not compile ran
     eager (a block whose pieces fail is planned with hoist); ``done(verdict)`` is told once, at the first call with
-    grad (None: not measured, the caller's saved-tensor hooks were active), and
-    is expected to install ``forward`` in place of this object.
+    grad (None: not measured, the caller's saved-tensor hooks were active, and
+    no other rank's measure said hoist), and is expected to install ``forward``
+    in place of this object. ``agree([hoist])`` is called at that same call on
+    every rank, measured or not: whether any rank running the block says hoist.
     """
 
     def __init__(
@@ -148,12 +154,14 @@ class FirstCall:
         policy_bytes: Callable[[], int | None],
         done: Callable[[Verdict | None], None],
         failed: Callable[[], tuple[str, ...]] = tuple,
+        agree: Callable[[list[bool]], list[bool]] = list,
     ) -> None:
         self.wrapper = wrapper
         self.forward = forward
         self.policy_bytes = policy_bytes
         self.failed = failed
         self.done = done
+        self.agree = agree
         self.finished = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -166,15 +174,21 @@ class FirstCall:
             # The user's hooks (offloading, say) or an eager checkpoint around the
             # call: ours would shadow them. Not measured; pieces stay.
             out = self.forward(*args, **kwargs)
-            self.done(None)
+            [elsewhere] = self.agree([False])
+            self._learn(Verdict(None, None, elsewhere=True) if elsewhere else None)
             return out
         with SavedBytes() as saved:
             out = self.forward(*args, **kwargs)
         saved.leave_out(self.wrapper)
         policy = self.policy_bytes()
         eager_sac = None if policy is None else tensor_bytes((args, kwargs)) + policy
-        verdict = Verdict(saved.total, eager_sac, self.failed())
-        logger.info("%s: %s", type(self.wrapper).__name__, verdict.describe())
-        learned.learn_verdict(self.wrapper, verdict)
-        self.done(verdict)
+        here = Verdict(saved.total, eager_sac, self.failed())
+        [anywhere] = self.agree([here.hoist_here])
+        self._learn(dataclasses.replace(here, elsewhere=anywhere and not here.hoist_here))
         return out
+
+    def _learn(self, verdict: Verdict | None) -> None:
+        if verdict is not None:
+            logger.info("%s: %s", type(self.wrapper).__name__, verdict.describe())
+            learned.learn_verdict(self.wrapper, verdict)
+        self.done(verdict)

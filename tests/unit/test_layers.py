@@ -99,6 +99,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.dispatch.tree_watch",
         "autoweave.dispatch.context_probe",
         "autoweave.dispatch.plan_inputs",
+        "autoweave.dispatch.agreement",
         "autoweave.dispatch.states",
         "autoweave.dispatch.dispatchers",
         "autoweave.dispatch.routes",
