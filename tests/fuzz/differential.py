@@ -49,6 +49,7 @@ class Outcome:
     recompiles: int = 0
     alive_after_drop: bool = False
     warnings: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    degraded: dict[str, int] = dataclasses.field(default_factory=dict)  # autoweave's fail-open slugs
 
 
 class _TorchWarnings(logging.Handler):
@@ -186,12 +187,7 @@ def _train(case: Case, outcome: Outcome, *, on: bool) -> None:
                             )
                         call.train()
                 with stance:
-                    x = _input(case, step, length)
-                    gc.collect()
-                    before = heap_in_use()
-                    loss = call(x).square().mean()
-                    if step == case.steps - 1 and before is not None:
-                        outcome.held_bytes = heap_in_use() - before
+                    loss = call(_input(case, step, length)).square().mean()
                     loss.backward()
                 outcome.losses.append(loss.item())
                 if step == case.steps - 1:
@@ -200,8 +196,17 @@ def _train(case: Case, outcome: Outcome, *, on: bool) -> None:
                 opt.zero_grad()
             step = case.steps
             # One more step, its forward under the user's saved-tensor hooks (CPU offload's form).
+            x = _input(case, step, lengths_of(case)[-1])
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                loss = call(_input(case, step, lengths_of(case)[-1])).square().mean()
+                loss = call(x).square().mean()
+            loss.backward()
+            outcome.losses.append(loss.item())
+            # And one whose forward's held memory is measured: a step that compiles nothing.
+            gc.collect()
+            before = heap_in_use()
+            loss = call(x).square().mean()
+            if before is not None:
+                outcome.held_bytes = heap_in_use() - before
             loss.backward()
             outcome.losses.append(loss.item())
         except Exception as exc:  # the comparison is whether plain torch raises it too
@@ -226,6 +231,7 @@ def run(case: Case, *, on: bool) -> Outcome:
             _train(case, outcome, on=on)
     finally:
         torch_logger.removeHandler(handler)
+        outcome.degraded = dict(_state.run.swallowed)
         torch._dynamo.reset()
         _state.reset()
     outcome.warnings = sorted(handler.seen)
@@ -238,6 +244,8 @@ def differences(case: Case, plain: Outcome, woven: Outcome, bound: Outcome) -> l
     ``bound``: plain torch on the same blocks without their break (what compiling them costs).
     """
     out = []
+    if woven.degraded:  # a failure of autoweave's own, failed open: plain torch has none
+        out.append(f"degraded: {woven.degraded}")
     if plain.error != woven.error:
         out.append(f"error: plain {plain.error}, autoweave {woven.error}")
         return out
