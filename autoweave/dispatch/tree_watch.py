@@ -70,21 +70,36 @@ _HOOK_METHODS = (
 
 
 def _on_hook(module: Any, hook: Any, handle: Any) -> None:
-    if _is_compiling() or uniform_hook(hook):
+    if uniform_hook(hook):
         return
     if module in run.watched:
         bump()
     # The handle removes from the store itself: its ``remove`` (``with handle:`` calls it
     # too) bumps as well. An instance attribute, which the handle's pickled state leaves out.
-    owner = weakref.ref(module)
-    remove = handle.remove
+    handle.remove = functools.partial(_removed, handle.remove, weakref.ref(module))
 
-    def removed() -> None:
-        remove()
-        if not _is_compiling() and owner() in run.watched:
-            bump()
 
-    handle.remove = removed
+def _on_removal(owner: Callable[[], Any]) -> None:
+    if owner() in run.watched:
+        bump()
+
+
+def _nothing(*args: Any) -> None:
+    """What a compile tracing a registration or a removal meets instead of the two above."""
+
+
+# _on_hook and _on_removal, never traced or converted by dynamo (install): a registration
+# a compile traces (transformers' output hooks, in the first forward) compiles as in plain
+# torch. Dynamo breaks inside torch's ``register_*_hook`` and runs the call eager; the
+# frames of autoweave's that call runs are not converted (``_compat.outside_dynamo``,
+# ``skip_own_frame``), which added frames to that compile.
+_note_hook: Callable[[Any, Any, Any], None] = _on_hook
+_note_removal: Callable[[Callable[[], Any]], None] = _on_removal
+
+
+def _removed(remove: Callable[[], None], owner: Callable[[], Any]) -> None:
+    remove()
+    _note_removal(owner)
 
 
 def _watch_hooks(original: Any, on: list[bool]) -> Any:
@@ -92,18 +107,22 @@ def _watch_hooks(original: Any, on: list[bool]) -> Any:
     def register(self: Any, hook: Any, *args: Any, **kwargs: Any) -> Any:
         handle = original(self, hook, *args, **kwargs)
         if on[0]:
-            _on_hook(self, hook, handle)
+            _note_hook(self, hook, handle)
         return handle
 
+    _compat.skip_own_frame(register)
     return register
 
 
 def install() -> None:
     """Start watching (each part installed once, undone by ``autoweave.disable()``)."""
-    global _is_compiling
+    global _is_compiling, _note_hook, _note_removal
     import torch
 
     _is_compiling = torch.compiler.is_compiling
+    _note_hook = _compat.outside_dynamo(_on_hook, traced_as=_nothing)
+    _note_removal = _compat.outside_dynamo(_on_removal, traced_as=_nothing)
+    _compat.skip_own_frame(_removed)
     _installs.install("module registration hook (tree changes)", _add_registration_hook)
     for name in _HOOK_METHODS:
         if name in vars(torch.nn.Module):
