@@ -151,10 +151,12 @@ _UNIFORM_HOOK_MODULES = ("torch.distributed", "autoweave")
 
 def hooks_key(module: nn.Module) -> tuple:
     """``module``'s own hooks as its region key holds them (FSDP's and autoweave's left out)."""
-    return tuple(
-        (store, tuple(_hook_identity(hook) for hook in hooks if not uniform_hook(hook)))
-        for store, hooks in _compat.hooks_of(module)
-    )
+    key = []
+    for store, hooks in _compat.hooks_of(module):  # most modules have none: the walk reads every one
+        own = tuple(_hook_identity(hook) for hook in hooks if not uniform_hook(hook))
+        if own:
+            key.append((store, own))
+    return tuple(key)
 
 
 def _hook_identity(hook: Any) -> Any:
