@@ -54,8 +54,11 @@ def _fingerprint(target: nn.Module) -> tuple:
 
     modules = list(target.named_modules())
     tree_changes.watch(m for _, m in modules)  # a registration into any of them moves the signal
-    # A block measured holding more as pieces than eager SAC would is planned again (memory).
-    return tuple((name, type(m), getattr(m, MARK, None), hoist_reason(m)) for name, m in modules)
+    # A block measured holding more as pieces than eager SAC would is planned again (memory);
+    # one whose hooks changed too: dynamo never sees a hook added after it traced (tree_watch).
+    return tuple(
+        (name, type(m), getattr(m, MARK, None), hoist_reason(m), apply.hooks_key(m)) for name, m in modules
+    )
 
 
 class _Dispatcher:

@@ -8,7 +8,14 @@ watches that bump it, each through the install registry with its undo:
   FSDP1 wrapping a child, ``apply_activation_checkpointing``);
 - ``fully_shard`` running: it swaps a module's class in place, which no hook
   sees; ``FSDPState.init`` runs once per call, whatever name the user imported
-  ``fully_shard`` under.
+  ``fully_shard`` under;
+- a hook registered on a module of a compiled tree (``nn.Module``'s
+  ``register_*_hook``), or removed through its handle: dynamo does not guard on
+  hooks (``skip_nnmodule_hook_guards``), so a region that inlined the module
+  would never run a hook added after it traced, nor stop running one removed.
+  The block's region key holds its hooks (``weave/apply.hooks_key``), so the
+  block re-plans alone onto a region of its own. FSDP's and autoweave's own
+  hooks, which the key leaves out, do not bump.
 
 Registrations that change no compiled tree do not bump:
 
@@ -28,6 +35,8 @@ Registrations that change no compiled tree do not bump:
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +45,7 @@ from autoweave._failopen import warn_each
 from autoweave._log import logger
 from autoweave._state import run
 from autoweave.planning.tree_changes import bump
+from autoweave.weave.apply import uniform_hook
 
 _is_compiling: Any = None  # torch.compiler.is_compiling, once torch is imported (install)
 
@@ -49,13 +59,77 @@ def _on_registration(module: Any, name: str, submodule: Any) -> None:
         bump()
 
 
+# nn.Module's registrations into the hook stores a region key reads (``_compat.HOOK_STORES``).
+_HOOK_METHODS = (
+    "register_forward_pre_hook",
+    "register_forward_hook",
+    "register_full_backward_pre_hook",
+    "register_full_backward_hook",
+    "register_backward_hook",
+)
+
+
+def _on_hook(module: Any, hook: Any, handle: Any) -> None:
+    if uniform_hook(hook):
+        return
+    if module in run.watched:
+        bump()
+    # The handle removes from the store itself: its ``remove`` (``with handle:`` calls it
+    # too) bumps as well. An instance attribute, which the handle's pickled state leaves out.
+    handle.remove = functools.partial(_removed, handle.remove, weakref.ref(module))
+
+
+def _on_removal(owner: Callable[[], Any]) -> None:
+    if owner() in run.watched:
+        bump()
+
+
+def _nothing(*args: Any) -> None:
+    """What a compile tracing a registration or a removal meets instead of the two above."""
+
+
+# _on_hook and _on_removal, never traced or converted by dynamo (install): a registration
+# a compile traces (transformers' output hooks, in the first forward) compiles as in plain
+# torch. Dynamo breaks inside torch's ``register_*_hook`` and runs the call eager; the
+# frames of autoweave's that call runs are not converted (``_compat.outside_dynamo``,
+# ``skip_own_frame``), which added frames to that compile.
+_note_hook: Callable[[Any, Any, Any], None] = _on_hook
+_note_removal: Callable[[Callable[[], Any]], None] = _on_removal
+
+
+def _removed(remove: Callable[[], None], owner: Callable[[], Any]) -> None:
+    remove()
+    _note_removal(owner)
+
+
+def _watch_hooks(original: Any, on: list[bool]) -> Any:
+    @functools.wraps(original)
+    def register(self: Any, hook: Any, *args: Any, **kwargs: Any) -> Any:
+        handle = original(self, hook, *args, **kwargs)
+        if on[0]:
+            _note_hook(self, hook, handle)
+        return handle
+
+    _compat.skip_own_frame(register)
+    return register
+
+
 def install() -> None:
     """Start watching (each part installed once, undone by ``autoweave.disable()``)."""
-    global _is_compiling
+    global _is_compiling, _note_hook, _note_removal
     import torch
 
     _is_compiling = torch.compiler.is_compiling
+    _note_hook = _compat.outside_dynamo(_on_hook, traced_as=_nothing)
+    _note_removal = _compat.outside_dynamo(_on_removal, traced_as=_nothing)
+    _compat.skip_own_frame(_removed)
     _installs.install("module registration hook (tree changes)", _add_registration_hook)
+    for name in _HOOK_METHODS:
+        if name in vars(torch.nn.Module):
+            _installs.install(
+                f"patch torch.nn.Module.{name} (hook watch)",
+                lambda name=name: _patch(torch.nn.Module, name, _watch_hooks),
+            )
     # FSDP2 loads when the user imports it, not with torch: hook its module
     # (at once if it is already imported) rather than import it here.
     for name in _compat.FSDP2_STATE_MODULES:
@@ -96,21 +170,33 @@ def _watch_fully_shard(state_module: Any) -> None:
 
 
 def _wrap_init(state_cls: type, original: Any) -> Callable[[], None]:
+    def wrap(original: Any, on: list[bool]) -> Any:
+        def init(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if on[0]:
+                bump()
+            return original(self, *args, **kwargs)
+
+        return init
+
+    return _patch(state_cls, "init", wrap, original)
+
+
+def _patch(
+    owner: type, name: str, wrap: Callable[[Any, list[bool]], Any], original: Any = None
+) -> Callable[[], None]:
+    """Put ``wrap(original, on)`` on ``owner.name``; its undo restores the original if ours is on top."""
+    original = owner.__dict__[name] if original is None else original
     on = [True]
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if on[0]:
-            bump()
-        return original(self, *args, **kwargs)
-
-    init.__wrapped__ = original  # type: ignore[attr-defined]
-    state_cls.init = init  # type: ignore[attr-defined]
+    wrapper = wrap(original, on)
+    wrapper.__wrapped__ = original
+    setattr(owner, name, wrapper)
 
     def undo() -> None:
         on[0] = False  # left in place below someone else's: passes calls straight through
-        if state_cls.__dict__.get("init") is init:
-            state_cls.init = original  # type: ignore[attr-defined]
+        if owner.__dict__.get(name) is wrapper:
+            setattr(owner, name, original)
             return
-        warn_each("patch-shadowed:FSDPState.init", _installs.shadowed_message("FSDPState.init"))
+        what = f"{owner.__name__}.{name}"
+        warn_each(f"patch-shadowed:{what}", _installs.shadowed_message(what))
 
     return undo

@@ -7,8 +7,8 @@ number of submodules; instead each dispatcher remembers the generation it
 planned at and re-reads the tree only after the generation moved.
 
 This module only keeps the counter (on ``_state.run``). What moves it:
-``dispatch/tree_watch`` (a submodule registered into a watched module,
-``fully_shard`` running), autoweave's own marks (``boundary``, ``set_mode``,
+``dispatch/tree_watch`` (a submodule registered into a watched module, a hook
+registered on one or removed, ``fully_shard`` running), autoweave's own marks (``boundary``, ``set_mode``,
 ``register_boundary``) and what a run learns (``planning/learned``). A spurious
 bump costs one tree walk per compiled module; a missed one would keep a stale
 plan, so every source bumps.

@@ -119,7 +119,7 @@ def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]
         (name, type(t).__name__, tuple(t.shape), t.dtype)
         for name, t in (*module.named_parameters(), *module.named_buffers())
     )
-    structure = tuple((name, type(m), _hooks(m)) for name, m in module.named_modules())
+    structure = tuple((name, type(m), hooks_key(m)) for name, m in module.named_modules())
     spec = decision.checkpoint
     checkpoint = (
         None
@@ -144,15 +144,19 @@ def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]
 # (``skip_nnmodule_hook_guards``): a block whose hook differs from its neighbours'
 # would run their compiled code, its hook gone from the second call on. Hooks torch's
 # distributed wrappers install (FSDP2's, a bound method of each unit's own state)
-# and autoweave's own do the same for every block: they do not split a kind.
+# and autoweave's own do the same for every block: they do not split a kind. The
+# dispatcher re-plans a block whose key changed (``dispatch/tree_watch`` signals it).
 _UNIFORM_HOOK_MODULES = ("torch.distributed", "autoweave")
 
 
-def _hooks(module: nn.Module) -> tuple:
-    return tuple(
-        (store, tuple(_hook_identity(hook) for hook in hooks if not _uniform_hook(hook)))
-        for store, hooks in _compat.hooks_of(module)
-    )
+def hooks_key(module: nn.Module) -> tuple:
+    """``module``'s own hooks as its region key holds them (FSDP's and autoweave's left out)."""
+    key = []
+    for store, hooks in _compat.hooks_of(module):  # most modules have none: the walk reads every one
+        own = tuple(_hook_identity(hook) for hook in hooks if not uniform_hook(hook))
+        if own:
+            key.append((store, own))
+    return tuple(key)
 
 
 def _hook_identity(hook: Any) -> Any:
@@ -164,7 +168,8 @@ def _hook_identity(hook: Any) -> Any:
     return memory.identity(hook)
 
 
-def _uniform_hook(hook: Any) -> bool:
+def uniform_hook(hook: Any) -> bool:
+    """Is ``hook`` one torch's distributed wrappers or autoweave put on every block alike?"""
     owner = getattr(getattr(hook, "func", hook), "__module__", None) or ""
     return owner.startswith(_UNIFORM_HOOK_MODULES)
 

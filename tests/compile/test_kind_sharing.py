@@ -11,6 +11,7 @@ block runs, which dynamo does not guard on: it is part of the block's identity.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import pytest
 import torch
@@ -187,3 +188,117 @@ def test_a_break_learned_at_the_first_block_costs_the_others_nothing() -> None:
     frames_6, fallbacks_6 = compiled(6)
     assert fallbacks_1 == fallbacks_6 == 1
     assert frames_6 <= frames_1, (frames_1, frames_6)
+
+
+# -- hooks added (and removed) after the first step (issue 31, item 3) ----------------------
+# Dynamo does not guard on hooks: a region that inlined a submodule never sees one added
+# later. Plain torch runs a woven block eager (its checkpoint falls back at the break), so
+# a hook added there runs from the next call, and one removed stops.
+
+
+def _add_hook(kind: str, module: nn.Module, calls: list[int]) -> Any:
+    def count() -> None:
+        calls[0] += 1
+
+    if kind == "forward":
+
+        def forward(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            count()
+            return out * 3.0
+
+        return module.register_forward_hook(forward)
+    if kind == "pre":
+
+        def pre(mod: nn.Module, args: tuple) -> tuple:
+            count()
+            return (args[0] * 0.5,)
+
+        return module.register_forward_pre_hook(pre)
+
+    def backward(mod: nn.Module, grad_input: tuple, grad_output: tuple) -> tuple:
+        count()
+        return tuple(None if g is None else g * 2.0 for g in grad_input)
+
+    return module.register_full_backward_hook(backward)
+
+
+Step = tuple[float, int, list[torch.Tensor]]
+
+
+def _regions(model: nn.Module, form: str) -> list[set[str]]:
+    """The region labels each block runs on."""
+    if form == "per-block":
+        return [set(dispatchers.dispatcher_of(layer)._applied.regions.values()) for layer in model]
+    regions = dispatchers.dispatcher_of(model)._applied.regions
+    return [{label for path, label in regions.items() if path.split(".")[0] == str(i)} for i in range(4)]
+
+
+def _hooked_steps(kind: str, form: str, on: bool, added: int = 1) -> tuple[list[Step], list[tuple]]:
+    """Each step's loss, hook calls and grads, a hook on ``blocks[2].out`` from step ``added``
+    to step 3; and, woven, the graphs compiled and each block's regions after each step."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cap = counting.Capture()
+    blocks = [Block(DIM) for _ in range(4)]
+    layers = [cw.checkpoint_wrapper(b) for b in blocks]
+    with autoweave.disabled() if not on else contextlib.nullcontext():
+        if form == "per-block":
+            model = nn.Sequential(*(torch.compile(layer, backend=cap.backend()) for layer in layers))
+        else:
+            model = torch.compile(nn.Sequential(*layers), backend=cap.backend())
+    x = torch.randn(4, DIM)
+    calls = [0]
+    handle = None
+    steps = []
+    compiled: list[tuple] = []
+    # The recompute's early stop ends inside a compiled graph, before dynamo replays the
+    # graph's side effects: a pre-hook eager runs again in the recompute (2 calls a step)
+    # counts once woven, with the hook there from the start too. Off, counts compare as calls.
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        for step in range(5):
+            if step == added:
+                handle = _add_hook(kind, blocks[2].out, calls)
+            if step == 3 and handle is not None:
+                handle.remove()
+            before = calls[0]
+            loss = model(x).square().mean()
+            loss.backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+            steps.append((loss.item(), calls[0] - before, grads))
+            if on:
+                compiled.append((cap.graph_count, _regions(model, form)))
+    return steps, compiled
+
+
+def _assert_same_steps(woven: list[Step], plain: list[Step]) -> None:
+    assert [calls for _, calls, _ in woven] == [calls for _, calls, _ in plain]
+    assert [loss for loss, _, _ in woven] == pytest.approx([loss for loss, _, _ in plain], rel=1e-6)
+    for step, ((_, _, got), (_, _, want)) in enumerate(zip(woven, plain, strict=True)):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("form", ["per-block", "whole-model"])
+@pytest.mark.parametrize("kind", ["forward", "pre", "backward"])
+def test_a_hook_added_after_the_first_step_runs_as_in_plain_torch(kind: str, form: str) -> None:
+    plain, _ = _hooked_steps(kind, form, on=False)
+    woven, compiled = _hooked_steps(kind, form, on=True)
+    _assert_same_steps(woven, plain)
+    assert [calls > 0 for _, calls, _ in plain] == [False, True, True, False, False]
+    # The hooked block alone moves to a region of its own; the others stay on theirs (their
+    # graphs cached), and it moves back when the hook is removed, compiling nothing more.
+    graphs = [count for count, _ in compiled]
+    regions = [blocks for _, blocks in compiled]
+    assert regions[3] == regions[4] == regions[0]
+    for hooked in regions[1:3]:
+        assert [r == s for r, s in zip(hooked, regions[0], strict=True)] == [True, True, False, True]
+    assert graphs[4] == graphs[2] > graphs[0], graphs
+
+
+@pytest.mark.parametrize("form", ["per-block", "whole-model"])
+def test_a_hook_there_from_the_start_stops_when_removed(form: str) -> None:
+    plain, _ = _hooked_steps("forward", form, on=False, added=0)
+    woven, _ = _hooked_steps("forward", form, on=True, added=0)
+    _assert_same_steps(woven, plain)
+    assert [calls > 0 for _, calls, _ in plain] == [True, True, True, False, False]

@@ -16,6 +16,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn as nn
+from torch._dynamo.utils import counters
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
@@ -144,3 +145,33 @@ def test_a_real_change_between_forwards_still_replans(monkeypatch: pytest.Monkey
     assert _state.run.generation > before
     _step(model, x)
     assert len(walks) == warm + 1
+
+
+class HooksInForward(nn.Module):
+    """Registers a hook in its first forward, as transformers' output capturing does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.hooked = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.hooked:
+            self.lin.register_forward_hook(lambda module, args, out: None).remove()
+            self.hooked = True
+        return torch.relu(self.lin(x)) + 1
+
+
+def test_a_hook_registered_while_compiling_converts_the_frames_plain_torch_does() -> None:
+    # Dynamo breaks inside torch's register_forward_hook and runs it eager; the frames of
+    # autoweave's hook watch that it then calls are not converted, nor traced.
+    def frames(on: bool) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        with contextlib.nullcontext() if on else autoweave.disabled():
+            model = torch.compile(HooksInForward(), backend="eager")
+        for _ in range(2):
+            model(torch.randn(2, 8))
+        return counters["frames"]["total"]
+
+    assert frames(on=True) == frames(on=False)
