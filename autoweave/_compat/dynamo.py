@@ -18,6 +18,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from autoweave._compat.checkpoints import as_recompute_sees, in_eager_checkpoint
 from autoweave._compat.lookup import find, find_optional
 
 
@@ -280,6 +281,9 @@ def lookups_in_order(compiled: Callable[..., Any]) -> Callable[..., Any]:
         return compiled
 
     def in_order(*args: Any, **kwargs: Any) -> Any:
+        if in_eager_checkpoint():
+            # The recompute's inputs are the checkpoint's saved ones: give the forward's as it sees them.
+            args, kwargs = as_recompute_sees(args, kwargs)
         order.enter()
         try:
             return compiled(*args, **kwargs)
