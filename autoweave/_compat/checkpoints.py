@@ -117,6 +117,9 @@ def as_recompute_sees(
     """
     import torch
 
+    if not in_eager_checkpoint():
+        return args, kwargs  # nothing saves them for a recompute
+
     def plain(value: Any) -> Any:
         if type(value) is torch.Tensor and value._is_view():
             return _unviewed()(value) if value.requires_grad else value.detach()

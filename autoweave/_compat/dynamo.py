@@ -18,7 +18,6 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from autoweave._compat.checkpoints import as_recompute_sees, in_eager_checkpoint
 from autoweave._compat.lookup import find, find_optional
 
 
@@ -257,8 +256,15 @@ def _insertion_order() -> _InsertionOrder | None:
     return None if set_lru is None else _InsertionOrder(set_lru)
 
 
-def lookups_in_order(compiled: Callable[..., Any]) -> Callable[..., Any]:
+def lookups_in_order(
+    compiled: Callable[..., Any],
+    inputs: Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
+) -> Callable[..., Any]:
     """``compiled`` with dynamo's cache entries looked up in the order they were made.
+
+    ``inputs`` (optional) maps each call's arguments first: the forward and
+    the recompute must also present inputs that meet the same guards
+    (``checkpoints.as_recompute_sees``).
 
     A block under an eager checkpoint runs its compiled code twice, in forward
     and in recompute, and both must run the same graph. By default dynamo moves
@@ -277,13 +283,14 @@ def lookups_in_order(compiled: Callable[..., Any]) -> Callable[..., Any]:
     default comes back after the last one returns.
     """
     order = _insertion_order()
-    if order is None:
+    if order is None and inputs is None:
         return compiled
 
     def in_order(*args: Any, **kwargs: Any) -> Any:
-        if in_eager_checkpoint():
-            # The recompute's inputs are the checkpoint's saved ones: give the forward's as it sees them.
-            args, kwargs = as_recompute_sees(args, kwargs)
+        if inputs is not None:
+            args, kwargs = inputs(args, kwargs)
+        if order is None:
+            return compiled(*args, **kwargs)
         order.enter()
         try:
             return compiled(*args, **kwargs)
