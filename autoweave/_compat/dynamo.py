@@ -285,6 +285,10 @@ def lookups_in_order(
     order = _insertion_order()
     if order is None and inputs is None:
         return compiled
+    if inputs is not None:
+        # Never converted by a compile whose frame calls the block (a fullgraph checkpoint
+        # wrapper's): autoweave's own code, eager as in_order's own frame is.
+        inputs = outside_dynamo(inputs, traced_as=inputs)
 
     def in_order(*args: Any, **kwargs: Any) -> Any:
         if inputs is not None:
