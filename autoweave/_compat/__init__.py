@@ -33,6 +33,7 @@ reads the same wherever a name lives.
 from autoweave._compat.backends import BackendWrapper, ForwardsToInner, lookup_backend, wrap_backend
 from autoweave._compat.checkpoints import (
     CHECKPOINT_CONTEXT_FN_KEY,
+    as_recompute_sees,
     autograd_sequence_nr,
     checkpointed_function_class,
     fake_tensor_mode,
@@ -131,6 +132,7 @@ __all__ = [
     "TESTED_TORCH",
     "UnsupportedTorch",
     "WRAPPED_CHILD_ATTRS",
+    "as_recompute_sees",
     "autograd_sequence_nr",
     "backend_errors_dynamo_handles",
     "backends_within",

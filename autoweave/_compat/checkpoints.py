@@ -44,13 +44,90 @@ def saved_tensors_hooks_active() -> bool:
     """
     import torch
 
+    if getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None) is None:
+        return True  # cannot tell: assume so, and do not measure
+    return _top_saved_tensors_hooks() is not None
+
+
+def _top_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    import torch
+
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top is None:
-        return True  # cannot tell: assume so, and do not measure
+        return None
     try:
-        return top(True) is not None
+        return top(True)
     except TypeError:  # an older signature, without the tracing flag
-        return top() is not None
+        return top()
+
+
+@functools.cache
+def _eager_checkpoint_hook_classes() -> tuple[str, ...]:
+    """Qualified-name prefixes of the pack hooks torch's eager checkpoint installs (forward, recompute)."""
+    names = ("torch.utils.checkpoint._checkpoint_hook", "torch.utils.checkpoint._recomputation_hook")
+    return tuple(f"{cls.__qualname__}." for cls in map(find_optional, names) if cls is not None)
+
+
+def in_eager_checkpoint() -> bool:
+    """Is this call in an eager (non-reentrant) checkpoint's forward or recompute, innermost?
+
+    Told by the saved-tensor hooks in force: the checkpoint's own (private
+    classes, looked up; a torch where they moved answers False).
+    """
+    hooks, prefixes = _top_saved_tensors_hooks(), _eager_checkpoint_hook_classes()
+    if not hooks or not prefixes:
+        return False
+    pack = hooks[0]
+    return getattr(pack, "__module__", None) == "torch.utils.checkpoint" and getattr(
+        pack, "__qualname__", ""
+    ).startswith(prefixes)
+
+
+@functools.cache
+def _unviewed() -> Any:
+    import torch
+
+    class Unviewed(torch.autograd.Function):
+        """The input as a tensor of its own (same storage, sizes and strides), not a view; identity for grad."""
+
+        @staticmethod
+        def forward(ctx: Any, tensor: Any) -> Any:
+            return tensor.detach()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            return grad
+
+    return Unviewed.apply
+
+
+def as_recompute_sees(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with every view among their tensors as its recompute will see it: not a view.
+
+    An eager checkpoint saves its inputs for the recompute; under saved-tensor
+    hooks (a user's ``saved_tensors_hooks``, ``save_on_cpu``) autograd hands
+    each back as a tensor of its own, never a view (saved_variable.cpp), and
+    dynamo guards a view's base (``x._base.stride()``): a compiled call inside
+    would run one graph in forward and look up another in the recompute (or,
+    past the recompile limit, run eager), whose ops and saves differ from the
+    forward's. Given as a non-view in both, it meets the same guards. No copy:
+    the same storage, sizes and strides.
+    """
+    import torch
+
+    if not in_eager_checkpoint():
+        return args, kwargs  # nothing saves them for a recompute
+
+    def plain(value: Any) -> Any:
+        if type(value) is torch.Tensor and value._is_view():
+            return _unviewed()(value) if value.requires_grad else value.detach()
+        return value
+
+    if not any(type(v) is torch.Tensor and v._is_view() for v in (*args, *kwargs.values())):
+        return args, kwargs
+    return tuple(map(plain, args)), {k: plain(v) for k, v in kwargs.items()}
 
 
 @functools.cache

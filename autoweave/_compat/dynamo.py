@@ -272,8 +272,15 @@ def _insertion_order() -> _InsertionOrder | None:
     return None if set_lru is None else _InsertionOrder(set_lru)
 
 
-def lookups_in_order(compiled: Callable[..., Any]) -> Callable[..., Any]:
+def lookups_in_order(
+    compiled: Callable[..., Any],
+    inputs: Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
+) -> Callable[..., Any]:
     """``compiled`` with dynamo's cache entries looked up in the order they were made.
+
+    ``inputs`` (optional) maps each call's arguments first: the forward and
+    the recompute must also present inputs that meet the same guards
+    (``checkpoints.as_recompute_sees``).
 
     A block under an eager checkpoint runs its compiled code twice, in forward
     and in recompute, and both must run the same graph. By default dynamo moves
@@ -292,10 +299,18 @@ def lookups_in_order(compiled: Callable[..., Any]) -> Callable[..., Any]:
     default comes back after the last one returns.
     """
     order = _insertion_order()
-    if order is None:
+    if order is None and inputs is None:
         return compiled
+    if inputs is not None:
+        # Never converted by a compile whose frame calls the block (a fullgraph checkpoint
+        # wrapper's): autoweave's own code, eager as in_order's own frame is.
+        inputs = outside_dynamo(inputs, traced_as=inputs)
 
     def in_order(*args: Any, **kwargs: Any) -> Any:
+        if inputs is not None:
+            args, kwargs = inputs(args, kwargs)
+        if order is None:
+            return compiled(*args, **kwargs)
         order.enter()
         try:
             return compiled(*args, **kwargs)

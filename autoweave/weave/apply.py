@@ -264,7 +264,7 @@ def _region_forward(
             region_kw, backend = _backend_kwargs(kwargs, label, pieces_fn)
         _pieces_of_region(backend, pieces)
         return _compat.lookups_in_order(
-            compile_fn(_private_region(own, checkpoint_fn, label), **region_kw)
+            compile_fn(_private_region(own, checkpoint_fn, label), **region_kw), _compat.as_recompute_sees
         ), label
     # One compiled region, and one backend, per kind: identical blocks share both,
     # until dynamo guards on a number that differs between them (``shared_kinds``).
@@ -301,8 +301,10 @@ def _build_kind_region(
         _run_wrappers_eagerly(region)
     else:
         region = _shared_region(forward, checkpoint_fn, label)
-    # A recompute must run the graph its forward ran (``lookups_in_order``).
-    return _compat.lookups_in_order(compile_fn(region, **region_kw)), region, backend, label
+    # A recompute must run the graph its forward ran (``lookups_in_order``), from inputs that
+    # meet the same guards (``as_recompute_sees``).
+    compiled = _compat.lookups_in_order(compile_fn(region, **region_kw), _compat.as_recompute_sees)
+    return compiled, region, backend, label
 
 
 def _run_wrappers_eagerly(region: Callable[..., Any]) -> None:
