@@ -48,7 +48,8 @@ def constants_of(module: nn.Module) -> tuple[tuple[str, str, Any], ...]:
     )
 
 
-Install = Callable[[Callable[..., Any], str], None]  # install(forward, label) on one block
+# install(block, forward, label): holds nothing of the block, which the kind must not keep alive.
+Install = Callable[[nn.Module, Callable[..., Any], str], None]
 
 
 class KindRegion:
@@ -95,7 +96,7 @@ class KindRegion:
         # A block that stays put keeps its forward: dynamo guards on it, a new one recompiles.
         if not moved_only or self._placed.get(module) != region[3]:
             self._placed[module] = region[3]
-            install(functools.partial(region[0], module), region[3])
+            install(module, functools.partial(region[0], module), region[3])
 
     def _listen(self, region: tuple[Callable[..., Any], Callable[..., Any], Any, str]) -> None:
         backend = region[2]
