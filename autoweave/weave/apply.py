@@ -300,7 +300,9 @@ def _build_kind_region(
     split: tuple,
 ) -> tuple[Callable[..., Any], Callable[..., Any], RegionBackend | None, str]:
     """The region of kind ``key`` for the blocks whose guarded numbers are ``split``, on code of its own."""
-    label, region_kw, backend = _kind_backend((*key, split) if split else key, decision, cls, kwargs, pieces_fn)
+    label, region_kw, backend = _kind_backend(
+        (*key, split) if split else key, decision, cls, kwargs, pieces_fn
+    )
     checkpoint_fn = (
         None if decision.checkpoint is None or pieces_fn is not None else decision.checkpoint.checkpoint_fn
     )
