@@ -5,7 +5,8 @@ of autoweave's, a dispatcher behind a compiled module). None of that may travel
 with a module that is pickled, saved or copied: plain torch saves these
 modules, and a saved file must load where autoweave is not installed. So:
 
-- dispatchers live in a weak table here, never on the module;
+- dispatchers live in a weak table here, never on the module (the module holds only
+  the dispatcher's ``call``, in torch's compiled slot, as it would hold torch's own);
 - every module that carries an install of autoweave's also carries an instance
   ``__getstate__`` (pickle, ``copy`` and ``torch.save`` look it up on the
   instance) that returns the class's state minus autoweave's installs, so the
@@ -34,17 +35,22 @@ _GETSTATE = "__getstate__"
 _DEEPCOPY = "__deepcopy__"
 
 _lock = threading.RLock()
-_dispatchers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+# module -> its dispatcher, held weakly too: a dispatcher holds the module it compiles, and a
+# weak table's value that holds its key keeps both for the life of the process. The module's
+# compiled slot holds the dispatcher's ``call``, so it lives as long as that forward does.
+_dispatchers: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
 
 def dispatcher_of(module: Any) -> Any:
     """The dispatcher autoweave put behind ``module`` (a compile target), or None."""
-    return _dispatchers.get(module)
+    ref = _dispatchers.get(module)
+    return None if ref is None else ref()
 
 
 def attach(module: Any, dispatcher: Any) -> None:
+    """Put ``dispatcher`` behind ``module``, which holds it (its ``call`` in the compiled slot)."""
     with _lock:
-        _dispatchers[module] = dispatcher
+        _dispatchers[module] = weakref.ref(dispatcher)
 
 
 def installed(forward: Any) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ from autoweave.weave.first_call_memory import FirstCall
 from autoweave.weave.keep_checkpoint import AtRecompileLimit, PiecesBlock
 from autoweave.weave.pieces import CheckpointPieces
 from autoweave.weave.region_backend import RegionBackend, region_kwargs
-from autoweave.weave.shared_kinds import KindRegion
+from autoweave.weave.shared_kinds import Install, KindRegion
 
 _labels = itertools.count()
 
@@ -174,9 +175,9 @@ def uniform_hook(hook: Any) -> bool:
     return owner.startswith(_UNIFORM_HOOK_MODULES)
 
 
-def _label(path: str, module: nn.Module) -> str:
+def _label(path: str, cls: type[nn.Module]) -> str:
     safe = "".join(c if c.isalnum() else "_" for c in (path or "root"))
-    return f"autoweave_{type(module).__name__}_{safe}_{next(_labels)}"
+    return f"autoweave_{cls.__name__}_{safe}_{next(_labels)}"
 
 
 @dataclass
@@ -198,6 +199,21 @@ class Applied:
         # An opaque block stays out of an enclosing trace (see ``apply_plan``).
         self._set_forward(module, _compat.disable(forward, recursive=True) if opaque else forward)
         self.regions[path] = label
+
+    def installer(self, path: str, opaque: bool) -> Install:
+        """``install`` at ``path`` for a kind to call, now and when it splits; it holds this weakly.
+
+        The kind lives as long as the run does (its backend in dynamo's cache too), and
+        this holds every module the plan changed: held from there, a dropped model stays.
+        """
+        ref = weakref.ref(self)
+
+        def install(module: nn.Module, forward: Any, label: str) -> None:
+            applied = ref()
+            if applied is not None:  # else the dispatcher let the plan go, and the model with it
+                applied.install(module, path, opaque, forward, label)
+
+        return install
 
     def revert(self) -> None:
         if self.at_limit is not None:
@@ -258,9 +274,9 @@ def _region_forward(
         # instance's own dynamo would recompile them per instance (BACKEND_MATCH) up to
         # the recompile limit. Pieces measure what each region holds: one of its own.
         if pieces_fn is None:
-            label, region_kw, backend = _kind_backend(key, decision, module, kwargs)
+            label, region_kw, backend = _kind_backend(key, decision, type(module), kwargs)
         else:
-            label = _label(decision.path, module)
+            label = _label(decision.path, type(module))
             region_kw, backend = _backend_kwargs(kwargs, label, pieces_fn)
         _pieces_of_region(backend, pieces)
         return _compat.lookups_in_order(
@@ -268,9 +284,11 @@ def _region_forward(
         ), label
     # One compiled region, and one backend, per kind: identical blocks share both,
     # until dynamo guards on a number that differs between them (``shared_kinds``).
+    # The kind outlives its blocks (the run's table, dynamo's backend cache): it is
+    # built from the block's class, never the block, so a dropped model is freed.
     if key not in run.shared_regions:
         run.shared_regions[key] = KindRegion(
-            functools.partial(_build_kind_region, key, decision, module, compile_fn, kwargs, pieces_fn)
+            functools.partial(_build_kind_region, key, decision, type(module), compile_fn, kwargs, pieces_fn)
         )
     kind = run.shared_regions[key]
     _, _, backend, label = kind.base
@@ -282,7 +300,7 @@ def _region_forward(
 def _build_kind_region(
     key: tuple,
     decision: Any,
-    module: nn.Module,
+    cls: type[nn.Module],
     compile_fn: Callable[..., Any],
     kwargs: dict[str, Any],
     pieces_fn: Any,
@@ -290,12 +308,12 @@ def _build_kind_region(
 ) -> tuple[Callable[..., Any], Callable[..., Any], RegionBackend | None, str]:
     """The region of kind ``key`` for the blocks whose guarded numbers are ``split``, on code of its own."""
     label, region_kw, backend = _kind_backend(
-        (*key, split) if split else key, decision, module, kwargs, pieces_fn
+        (*key, split) if split else key, decision, cls, kwargs, pieces_fn
     )
     checkpoint_fn = (
         None if decision.checkpoint is None or pieces_fn is not None else decision.checkpoint.checkpoint_fn
     )
-    forward = type(module).forward
+    forward = cls.forward
     if decision.splits and checkpoint_fn is None and _user_code(forward):
         region = on_own_code(forward, label, through_wrappers=True)
         _run_wrappers_eagerly(region)
@@ -330,11 +348,11 @@ def _run_wrappers_eagerly(region: Callable[..., Any]) -> None:
 
 
 def _kind_backend(
-    key: tuple, decision: Any, module: nn.Module, kwargs: dict[str, Any], pieces_fn: Any = None
+    key: tuple, decision: Any, cls: type[nn.Module], kwargs: dict[str, Any], pieces_fn: Any = None
 ) -> tuple[str, dict[str, Any], RegionBackend | None]:
     """The label, compile kwargs and ``RegionBackend`` of the kind of region ``key``: built once."""
     if key not in run.region_backends:
-        label = _label(decision.path, module)
+        label = _label(decision.path, cls)
         run.region_backends[key] = (label, *_backend_kwargs(kwargs, label, pieces_fn))
     return run.region_backends[key]
 
@@ -420,9 +438,7 @@ def apply_plan(
                 applied.regions[decision.path] = label
                 if isinstance(region, KindRegion):
                     # The kind installs the block's forward, now and when it splits.
-                    region.bind(
-                        module, functools.partial(applied.install, module, decision.path, decision.opaque)
-                    )
+                    region.bind(module, applied.installer(decision.path, decision.opaque))
                     continue
                 forward = region
             elif decision.action is Action.PIECES and plan.asked == "auto" and verdict_of(module) is None:

@@ -24,6 +24,7 @@ block, when the limit is hit there) without the checkpoint.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,7 +73,17 @@ class AtRecompileLimit:
 
     def start(self) -> None:
         if self.blocks and self._listening is None:
-            self._listening = _taps.listening(RecompileLimit, self._on_limit).start()
+            # dynamo's logger outlives the model, and this holds every module the plan
+            # changed: the tap holds it weakly, and hears no more once it is gone.
+            on_limit = weakref.WeakMethod(self._on_limit)
+
+            def listener(hit: RecompileLimit) -> None:
+                method = on_limit()
+                if method is not None:
+                    method(hit)
+
+            self._listening = listening = _taps.listening(RecompileLimit, listener).start()
+            weakref.finalize(self, listening.stop)  # the model dropped with its plan applied
 
     def stop(self) -> None:
         listening, self._listening = self._listening, None

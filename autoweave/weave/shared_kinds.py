@@ -48,7 +48,8 @@ def constants_of(module: nn.Module) -> tuple[tuple[str, str, Any], ...]:
     )
 
 
-Install = Callable[[Callable[..., Any], str], None]  # install(forward, label) on one block
+# install(block, forward, label): holds nothing of the block, which the kind must not keep alive.
+Install = Callable[[nn.Module, Callable[..., Any], str], None]
 
 
 class KindRegion:
@@ -101,17 +102,15 @@ class KindRegion:
         self._placed[module] = region[3]
         forward = functools.partial(region[0], module)
         if not moved_only or previous is None:
-            install(forward, region[3])
+            install(module, forward, region[3])
             return
         # The split is read while a block of the kind compiles: that block (and any other
         # whose forward ran on the old region) still has a checkpoint's recompute to run,
         # which must run the graph its forward ran. So a moved block changes region at its
         # next forward, never in a recompute.
         old = self._by_label[previous]
-        install(
-            _moving(functools.partial(old, module), forward, functools.partial(install, forward, region[3])),
-            previous,
-        )
+        move = functools.partial(install, module, forward, region[3])
+        install(module, _moving(functools.partial(old, module), forward, move), previous)
 
     def _listen(self, region: tuple[Callable[..., Any], Callable[..., Any], Any, str]) -> None:
         backend = region[2]
