@@ -20,7 +20,7 @@ from autoweave import _compat
 from autoweave._instances import install_forward, restore_forward
 from autoweave._log import logger
 from autoweave._state import run
-from autoweave.planning import memory
+from autoweave.planning import memory, wrappers
 from autoweave.planning.boundaries import own_forward, user_forward
 from autoweave.planning.learned import verdict_of
 from autoweave.planning.plans import Action, Plan
@@ -332,10 +332,12 @@ def _run_wrappers_eagerly(region: Callable[..., Any]) -> None:
     wrapper's call of the next one: each wrapper is a frame of its own, traced
     down to the break, restarted, compiled to an empty graph and a resume
     function (transformers' layers: two ``forward_with_checkpointing`` and a
-    ``deprecate_kwarg`` wrapper, three frames a kind traced twice each). The
-    wrappers only pass their call on, so they run as in eager; the innermost
-    copy is the region's first compiled frame, as in a hand weave that compiles
-    the layer's own ``forward``.
+    ``deprecate_kwarg`` wrapper, three frames a kind traced twice each). A
+    wrapper that only passes its call on (``planning.wrappers``) runs as in
+    eager; the first compiled frame is then the next one, as in a hand weave
+    that compiles the layer's own ``forward``. A wrapper that computes on
+    tensors stays a compiled frame: run eager, its ops would be left out of the
+    graphs and, under ``pieces``, out of any checkpoint.
     """
     fn = region
     while True:
@@ -343,7 +345,8 @@ def _run_wrappers_eagerly(region: Callable[..., Any]) -> None:
         copied = getattr(getattr(wrapped, "__code__", None), "co_name", None) == region.__code__.co_name
         if not copied:
             return
-        _compat.skip_own_frame(fn)
+        if wrappers.passes_call_on(fn):
+            _compat.skip_own_frame(fn)
         fn = wrapped
 
 

@@ -54,6 +54,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.planning.tree_changes",
         "autoweave.planning.sources",
         "autoweave.planning.checkpoint_calls",
+        "autoweave.planning.wrappers",
         "autoweave.planning.boundaries",
         "autoweave.planning.learned_breaks",
         "autoweave.planning.memory",
