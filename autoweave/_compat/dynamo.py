@@ -123,8 +123,18 @@ def eager_stance() -> str | None:
     it in ``torch._dynamo.eval_frame._stance``, a ``DynamoStance``, through 2.15); read
     afresh each time, since ``set_stance`` rebinds it. None where torch lacks it.
     """
-    stance = getattr(find_optional("torch._dynamo.eval_frame._stance"), "stance", None)
+    stance = getattr(getattr(_eval_frame(), "_stance", None), "stance", None)
     return stance if stance in EAGER_STANCES else None
+
+
+@functools.cache
+def _eval_frame() -> Any:
+    # Asked on every call of a pieces block (``weave.apply``): the module once, its stance each time.
+    try:
+        import torch._dynamo.eval_frame as eval_frame
+    except ImportError:  # pragma: no cover - dynamo moved
+        return None
+    return eval_frame
 
 
 def compile_callbacks() -> Any:

@@ -227,9 +227,24 @@ class Applied:
 
 
 def _without_checkpoint(wrapper: nn.Module) -> Callable[..., Any]:
+    """An AC wrapper's forward with its checkpoint moved into the compiled pieces below it.
+
+    Under ``torch.compiler.set_stance("force_eager")`` the pieces run as the user's
+    code, without the checkpoint they carry: the wrapper then checkpoints, as it does
+    in plain torch (eager selective AC's memory, not a forward that keeps everything),
+    and its recompute runs eager too, whatever the stance when backward runs.
+    """
+    import torch
+
     inner = _compat.checkpoint_wrapped(wrapper)
 
+    def eager(*args: Any, **kwargs: Any) -> Any:
+        with torch.compiler.set_stance("force_eager"):
+            return inner(*args, **kwargs)
+
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if _compat.eager_stance() == "force_eager":
+            return _compat.checkpoint_fn(wrapper)(eager, *args, **kwargs)
         return inner(*args, **kwargs)
 
     return forward
