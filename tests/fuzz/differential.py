@@ -322,5 +322,16 @@ def check(seed: int) -> tuple[Case, list[str]]:
     woven = run(case, on=True)
     bound = Outcome()  # run only where the recompiles need it: a third run costs as much again
     if woven.recompiles > plain.recompiles + len(woven.frames):
-        bound = run(dataclasses.replace(case, brk="none"), on=False)
+        bound = run(bound_of(case), on=False)
     return case, differences(case, plain, woven, bound)
+
+
+def bound_of(case: Case) -> Case:
+    """The same blocks without their break, each compiled as ``torch.compile(block)``.
+
+    What plain torch compiles per kind of block and per shape: autoweave's regions are
+    per kind of block whatever the compile form, and a whole-model compile of blocks
+    without a break inlines them all into one frame that says nothing of that.
+    """
+    form = case.form if "block" in case.form else "torch.compile(block)"
+    return dataclasses.replace(case, brk="none", form=form)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from tests.fuzz import differential
@@ -37,7 +35,7 @@ def _differences(case: Case) -> list[str]:
     plain = differential.run(case, on=False)
     woven = differential.run(case, on=True)
     return differential.differences(
-        case, plain, woven, differential.run(dataclasses.replace(case, brk="none"), on=False)
+        case, plain, woven, differential.run(differential.bound_of(case), on=False)
     )
 
 
