@@ -150,7 +150,18 @@ class _Planner:
             self.checkpointed(path, module, spec, moved, opaque=opaque, unit=kind)
             return
         if not self.tree.has_boundary_below(module):
-            self.region(path, module, moved, Action.BOUNDARY, f"{kind} → hooks stay eager, forward compiled")
+            # A break in its own forward splits the region: compiled from a copy of the
+            # forward, else the frames dynamo makes at the break run the class's shared
+            # code, one cache for every kind, and a hook added later (which dynamo does
+            # not guard on) never reaches the graphs of the hooked block's new region.
+            self.region(
+                path,
+                module,
+                moved,
+                Action.BOUNDARY,
+                f"{kind} → hooks stay eager, forward compiled",
+                splits=id(module) in self.tree.breaking,
+            )
             return
         # A boundary inside a boundary: its own forward is planned like any module.
         if not self.children_one_by_one:

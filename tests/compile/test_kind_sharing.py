@@ -302,3 +302,65 @@ def test_a_hook_there_from_the_start_stops_when_removed(form: str) -> None:
     woven, _ = _hooked_steps("forward", form, on=True, added=0)
     _assert_same_steps(woven, plain)
     assert [calls > 0 for _, calls, _ in plain] == [True, True, True, False, False]
+
+
+class ItemBlock(nn.Module):
+    """A block whose own forward breaks (``.item()``), ``out`` after the break."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(DIM, DIM)
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.q(x).tanh()
+        h = h * (1.0 if h.detach().abs().sum().item() >= 0 else 2.0)
+        return x + self.out(h)
+
+
+class CheckpointingLayer(nn.Module):
+    """AC written in the forward: ``checkpoint(self.inner, x)``, which autoweave cannot read."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("kind", ["forward", "pre", "backward"])
+def test_a_hook_added_after_the_first_step_runs_under_a_checkpoint_called_in_forward(kind: str) -> None:
+    # The inner block breaks in its own forward: compiled from the class's shared code,
+    # the frames dynamo makes at the break (and their graphs, without the hook) would
+    # serve every region of every kind, the hooked block's new one too.
+    def steps(on: bool) -> list[Step]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        blocks = [ItemBlock() for _ in range(3)]
+        with autoweave.disabled() if not on else contextlib.nullcontext():
+            model = nn.Sequential(
+                *(torch.compile(CheckpointingLayer(b), backend="aot_eager") for b in blocks)
+            )
+        x = torch.randn(4, DIM, requires_grad=True)
+        calls = [0]
+        out = []
+        # As in ``_hooked_steps``: a pre-hook's side effect in a recompute stopped early
+        # inside a compiled graph is not replayed; counts compare as calls without the stop.
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            for step in range(4):
+                if step == 1:
+                    handle = _add_hook(kind, blocks[1].out, calls)
+                if step == 3:
+                    handle.remove()
+                before = calls[0]
+                loss = model(x).square().mean()
+                loss.backward()
+                grads = [p.grad.clone() for p in model.parameters()]
+                model.zero_grad()
+                out.append((loss.item(), calls[0] - before, grads))
+        return out
+
+    plain = steps(on=False)
+    assert [calls > 0 for _, calls, _ in plain] == [False, True, True, False]
+    _assert_same_steps(steps(on=True), plain)

@@ -30,6 +30,29 @@ ITEM_BREAK_UNDER_SAC = Case(
     events=(),
 )
 
+# A block whose own forward calls `checkpoint(self.inner, ...)`, a `.item()` break inside
+# `inner`, each block compiled: a full backward hook added on `inner.q` after the first step
+# (seed 1047). `inner` compiled from its class's shared code: the frames dynamo made at the
+# break kept the hook-less graphs of the first step for every region, the new one too.
+LATE_HOOK_UNDER_CHECKPOINT_IN_FORWARD = Case(
+    seed=1047,
+    layers=3,
+    value_type="none",
+    value_place="argument",
+    values_differ=False,
+    brk="item",
+    break_at="middle",
+    ac="checkpoint-in-forward",
+    form="torch.compile(block)",
+    fullgraph=False,
+    strategy="auto",
+    decorator="pass-through",
+    lengths="static",
+    recompile_limit=None,
+    steps=3,
+    events=((1, "hook-add", 1, True, "backward"), (2, "force-eager", 1, False, "")),
+)
+
 
 def _differences(case: Case) -> list[str]:
     plain = differential.run(case, on=False)
@@ -42,3 +65,8 @@ def _differences(case: Case) -> list[str]:
 def test_a_dynamo_restart_inside_a_pieces_backend_is_dynamos_to_act_on() -> None:
     # Swallowed as [piece-eager], the piece ran eager where dynamo would have compiled it.
     assert _differences(ITEM_BREAK_UNDER_SAC) == []
+
+
+def test_a_hook_added_late_runs_in_a_block_that_calls_checkpoint_in_forward() -> None:
+    # Its calls were plain 4, autoweave 1 (the step under force_eager), and the losses differed.
+    assert _differences(LATE_HOOK_UNDER_CHECKPOINT_IN_FORWARD) == []
