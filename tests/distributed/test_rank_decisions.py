@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed import torchrun
 
 WORKER = Path(__file__).resolve().parent / "ranks_worker.py"
 
@@ -23,20 +22,7 @@ WORKER = Path(__file__).resolve().parent / "ranks_worker.py"
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("ranks")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOWEAVE")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(WORKER),
-        str(out),
-    ]
-    # A hang (ranks issuing different collectives) ends in the timeout, not in a stuck test run.
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(WORKER, str(out), timeout=600)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
