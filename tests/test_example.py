@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,8 +39,7 @@ def _train(tmp: Path, weave: bool, *extra: str) -> tuple[list[float], str]:
         str(out),
         *extra,
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = run_ranks(cmd, env, timeout=600)
     assert "final loss:" in proc.stdout
     return json.loads(out.read_text())["losses"], proc.stderr
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "benchmarks" / "moe_variants.py"
@@ -53,8 +54,7 @@ def _run(tmp: Path, ac: str, variants: list[str], *extra: str) -> dict[tuple[str
         str(out),
         *extra,
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_ranks(cmd, env, timeout=900)
     records = json.loads(out.read_text())
     # Keyed by (order, autoweave); variants that force a strategy get their own keys too.
     out_map: dict = {}
