@@ -164,6 +164,20 @@ class _Planner:
             )
             return
         # A boundary inside a boundary: its own forward is planned like any module.
+        if calls_checkpoint(module) or checkpoint_calls.call_checkpoints(module):
+            # It checkpoints in its own forward (HF's GradientCheckpointingLayer under
+            # FSDP2): a compile of that forward traces the checkpoint, and the boundary
+            # inside makes dynamo run the whole layer eager. Its forward stays eager.
+            self.add(
+                path,
+                module,
+                Action.BOUNDARY,
+                f"{kind} → hooks stay eager; its forward calls checkpoint: {_ONE_BY_ONE}",
+                opaque=opaque,
+            )
+            for child_path, child in walk(module, path):
+                self.node(child_path, child, moved)
+            return
         if not self.children_one_by_one:
             self.split(
                 path,

@@ -258,3 +258,48 @@ def test_transformers_layers_compile_around_the_experts_break(in_place: bool) ->
     if _checkpoints_in_forward():
         # 5.24's experts compile: only the lm_head runs outside compiled graphs (the limit).
         assert woven_gemms == 1
+
+
+def _whole_model_run(units: bool, in_place: bool, weave: bool) -> tuple[list[float], int]:
+    """Whole-model compile; ``units``: each layer an FSDP unit too, as transformers' native FSDP2 makes.
+
+    Returns three steps' losses and the forward GEMMs run outside compiled graphs in the
+    steady state (the second call without labels: the first compiles for the new arguments).
+    """
+    model = _tiny_qwen3_moe()
+    if units:
+        for layer in model.model.layers:
+            fsdp_like(layer)
+    with autoweave.disabled() if not weave else contextlib.nullcontext():
+        if in_place:
+            model.compile(backend=BACKEND)
+            compiled = model
+        else:
+            compiled = torch.compile(model, backend=BACKEND)
+    losses, _ = _train(compiled)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    return losses, forward_gemms_outside_graphs(compiled, ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("units", "in_place"),
+    [(True, False), (True, True), (False, False)],
+    ids=["layers-as-units-torch.compile(model)", "layers-as-units-model.compile()", "torch.compile(model)"],
+)
+def test_a_whole_model_compile_keeps_checkpointing_layers_that_hold_a_unit_compiled(
+    units: bool, in_place: bool
+) -> None:
+    # Issue 32: a layer that is an FSDP unit and checkpoints in its own forward (HF's
+    # GradientCheckpointingLayer) was planned as a region split at its nested units; its
+    # checkpoint was traced and dynamo ran the layer eager (13 of 31 forward GEMMs).
+    eager_losses, _ = _train(_tiny_qwen3_moe())
+    torch._dynamo.reset()
+    plain_losses, plain_gemms = _whole_model_run(units, in_place, weave=False)
+    torch._dynamo.reset()
+    woven_losses, woven_gemms = _whole_model_run(units, in_place, weave=True)
+    assert plain_losses == pytest.approx(eager_losses, rel=1e-5)
+    assert woven_losses == pytest.approx(eager_losses, rel=1e-5)
+    assert plain_gemms > 0 and woven_gemms < plain_gemms, (plain_gemms, woven_gemms)
+    if _checkpoints_in_forward():
+        assert woven_gemms == 0, woven_gemms  # the limit: every module is under the compile
