@@ -20,10 +20,11 @@ turn the cache off).
 the decoder layers are wrapped (FSDP and AC), so the experts have no unit of their own, and each
 layer's FSDP unit goes *around* its checkpoint wrapper (torchtitan's order: ``fully_shard`` on the
 wrapper; accelerate's call on the layer is redirected there): every layer compiles whole, all its
-forward GEMMs in one graph. ``eager_layers``: the experts have no unit either, but the layer's unit
-stays where accelerate puts it, *inside* the checkpoint wrapper, whose FSDP hooks break the
-checkpoint: plain dynamo runs every layer eager (what plain compile costs when it compiles none of
-the layers: a floor, not a capture bound). ``hand_weave`` is accelerate's regional compile with one change
+forward GEMMs in one graph. ``eager_layers``: the experts have no unit either, and the layer's unit
+stays where accelerate puts it. accelerate 1.15 puts it *inside* the checkpoint wrapper, whose
+FSDP hooks break the checkpoint: plain dynamo runs every layer eager (what plain compile costs when
+it compiles none of the layers: a floor, not a capture bound). accelerate 1.16 shards the wrapper
+instead ("to keep FSDP hooks outside compiled code"): nothing nests, and plain compiles every layer. ``hand_weave`` is accelerate's regional compile with one change
 (``hand_weave_regions`` in place of its ``compile_regions_fsdp2``): each repeated block's
 *inner* module is compiled in place instead of its checkpoint wrapper, and so is the inner module of
 the experts' nested checkpoint wrapper: both checkpoints run eager, around a compile of
@@ -125,6 +126,7 @@ def main() -> None:
     metrics = _common.Metrics().install()
 
     def body() -> dict:
+        import accelerate
         import torch
         from accelerate import Accelerator, PartialState
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, TorchDynamoPlugin
@@ -207,6 +209,7 @@ def main() -> None:
             "step_s": round(min(times[1:] or times), 3),
             "step1_cpu_s": round(_common.sum_over_ranks(step1_cpu), 2),
             "variant": args.variant,
+            "accelerate": accelerate.__version__,
         }
         result.update(metrics.snapshot())
         if args.gemms:

@@ -6,6 +6,7 @@ autoweave (``AUTOWEAVE=1``, default settings) and eager (no dynamo plugin).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -103,3 +104,34 @@ def test_whole_model_compile(client_run):
     assert woven.get("fallbacks") == 0, woven.describe()
     assert woven.get("recompile_limit_hits") == 0
     assert _runner.max_rel_diff(woven.get("losses"), plain.get("losses")) < 1e-4
+
+
+def _version(run) -> tuple[int, ...]:
+    return tuple(int(part) for part in run.get("accelerate").split(".")[:2])
+
+
+@pytest.mark.parametrize("variant", ["accelerate", "eager_layers"], ids=["layers+experts", "layers-only"])
+def test_what_accelerate_nests_is_woven_and_nothing_else(client_run, variant):
+    """Both pins (1.15 in the lane's venv, 1.16 through ``.ci/clients``'s second pass).
+
+    Experts named in the wrap policy nest a unit in every layer on both versions: plain loses
+    every layer, autoweave compiles to the limit (the lm_head). With the layers alone, 1.15 puts
+    the layer's unit inside its checkpoint wrapper (plain loses it; autoweave weaves), while 1.16
+    shards the wrapper: nothing nests, and autoweave must be a true no-op.
+    """
+    args = ("--layers", "3", "--gemms", "--variant", variant)
+    plain = client_run(WORKER, "plain", *args)
+    woven = client_run(WORKER, "autoweave", *args)
+    for run in (plain, woven):
+        assert run.ok, run.describe()
+        # .ci/clients names the version each pass must have run (the second pass puts 1.16 first on PYTHONPATH).
+        assert run.get("accelerate") == os.environ.get("CLIENTS_ACCELERATE", run.get("accelerate"))
+    assert _runner.max_rel_diff(woven.get("losses"), plain.get("losses")) < 1e-5
+    all_gemms = plain.get("fwd_gemms_eager") + plain.get("fwd_gemms_compiled")
+    if variant == "eager_layers" and _version(plain) >= (1, 16):
+        for key in ("graphs", "ops", "compiles", "recompiles", "frames", "fallbacks", "graph_breaks"):
+            assert woven.get(key) == plain.get(key), (key, woven.result, plain.result)
+        assert woven.get("fwd_gemms_eager") == plain.get("fwd_gemms_eager") == 1
+        return
+    assert plain.get("fallbacks") == 1 and plain.get("fwd_gemms_eager") == all_gemms
+    assert woven.get("fallbacks") == 0 and woven.get("fwd_gemms_eager") == 1
