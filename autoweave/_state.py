@@ -49,6 +49,8 @@ class RunState:
         self.unsummarised: list[int] = []
         self.summary_pending = False
         self.summarised: dict[int, Any] = {}  # id(dispatcher) -> the entry the last summary showed
+        # first_call_memory: the pieces blocks' measures (``FirstCall``); the summary waits for them.
+        self.measuring: weakref.WeakSet[Any] = weakref.WeakSet()
         # plan_log: each model (root module) a plan was found in -> (its class, index among that class's).
         self.models: weakref.WeakKeyDictionary[Any, tuple[str, int]] = weakref.WeakKeyDictionary()
         # _trace: region label -> what its structured-trace artifact says.

@@ -143,6 +143,25 @@ CLIENTS: dict[str, tuple[str, list[tuple[str, str, list[str], int, tuple[str, ..
             ),
         ],
     ),
+    "lightning": (
+        "lightning",
+        [
+            (
+                "Lightning Trainer ModelParallelStrategy (FSDP2, experts nested), AC, per-block compile, 3 layers",
+                "lightning_worker",
+                ["--api", "trainer", "--compile", "block"],
+                2,
+                ("plain", "autoweave"),
+            ),
+            (
+                "Lightning Fabric ModelParallelStrategy, AC, whole-model compile after sharding, 3 layers",
+                "lightning_worker",
+                ["--api", "fabric", "--compile", "whole"],
+                2,
+                ("plain", "autoweave"),
+            ),
+        ],
+    ),
 }
 
 
@@ -158,7 +177,7 @@ def _eager_args(worker: str, args: list[str]) -> list[str]:
                 continue
             out.append(a)
         return out + ["--compile", "none"]
-    if worker == "trainer_worker":
+    if worker in ("trainer_worker", "lightning_worker"):
         return args + ["--eager"]
     return args + ["--no-compile"]
 

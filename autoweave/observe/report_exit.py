@@ -11,6 +11,7 @@ prints nothing: it would otherwise pose as rank 0 and overwrite rank 0's report.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from collections import Counter
@@ -19,6 +20,8 @@ from typing import Any
 from autoweave._log import logger, rank
 from autoweave.observe import graph_breaks, report, summary
 from autoweave.observe.report_stats import _Stats
+
+_REGIONS_SHOWN = 4  # the exit summary lists the regions slowest to compile, up to this many
 
 
 def report_path(template: str) -> str | None:
@@ -70,7 +73,8 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
             f"  not captured: {totals['eager_graphs']} traced graph(s), {totals['eager_ops']} ops, "
             "run eager instead (below, per region)"
         )
-    for region in sorted(data["regions"], key=lambda r: -r["compile_s"])[:4]:
+    regions = sorted(data["regions"], key=lambda r: -r["compile_s"])
+    for region in regions[:_REGIONS_SHOWN]:
         where = summary.fold_names(region["modules"]) if region["modules"] else "?"
         eager = region.get("eager_graphs", 0)
         lines.append(
@@ -81,6 +85,11 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
         )
         for why, count in list(region.get("eager_reasons", {}).items())[:2]:
             lines.append(f"      x{count}: {why[:160]}")
+    if len(regions) > _REGIONS_SHOWN:
+        lines.append(
+            f"    ... and {len(regions) - _REGIONS_SHOWN} more region(s): the {_REGIONS_SHOWN} slowest to "
+            "compile are listed" + (f", all are in {path}" if path else "")
+        )
     lines.append(
         f"  dynamo (whole process): {dyn['unique_graphs']} graphs, {dyn['compiles']} compiles, "
         f"{dyn['recompiles']} recompiles, {dyn['graph_breaks']} graph breaks, "
@@ -121,9 +130,18 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
                 "    these compiles were not woven: with AUTOWEAVE=1 (and outside autoweave.disabled()) "
                 "autoweave compiles around the boundaries"
             )
-        elif not totals["woven"]:
+        elif not totals["woven"] and data.get("settings", {}).get("mode") == "off":
             lines.append(
-                "    autoweave was on but wove none of these compiles: the plan above says why for each; "
+                "    autoweave was on, but AUTOWEAVE_MODE=off is set: it wove none of these compiles; "
+                "without it (mode auto) autoweave compiles around the boundaries"
+            )
+        elif not totals["woven"]:
+            # A plan that weaves nothing is logged at INFO: printed above only at that level.
+            why = (
+                "the plan above says" if logger.isEnabledFor(logging.INFO) else "the plans in the report say"
+            )
+            lines.append(
+                f"    autoweave was on but wove none of these compiles: {why} why for each; "
                 "AUTOWEAVE_MODE=always weaves wherever a boundary is inside"
             )
     elif not around:

@@ -272,6 +272,18 @@ def qualified_name(target: Any, dispatcher: Any = None, *, frame: Any = None) ->
     return _locate(target, dispatcher, frame or sys._getframe(1))[0]
 
 
+# Wrappers frameworks put around the user's model, and the attribute holding it: not part of
+# the names the user wrote (DDP's ``module.``, as accelerate's and Lightning's DDP paths wrap;
+# Lightning Fabric's ``_forward_module.``). By class name: no framework is imported for it.
+_FRAMEWORK_WRAPPERS = {"DistributedDataParallel": "module", "_FabricModule": "_forward_module"}
+
+
+def _without_framework_wrapper(owner: Any, path: str) -> str:
+    """``path`` (of a module under ``owner``) without the segment of a framework's wrapper."""
+    head, _, rest = path.partition(".")
+    return rest if _FRAMEWORK_WRAPPERS.get(type(owner).__name__) == head else path
+
+
 def _locate(target: Any, dispatcher: Any, frame: Any) -> tuple[str, Any]:
     """``qualified_name``, and the outermost module found holding ``target`` (its model; None: none)."""
     import torch.nn as nn
@@ -293,7 +305,8 @@ def _locate(target: Any, dispatcher: Any, frame: Any) -> tuple[str, Any]:
             else:
                 found = _path_in(owner, current)
                 if found:
-                    path = f"{found}.{path}" if path else found
+                    found = _without_framework_wrapper(owner, found)
+                    path = ".".join(p for p in (found, path) if p)
                     current = owner
         frame = frame.f_back
     shown = display_path(path) if path else ""
@@ -338,6 +351,10 @@ def on_called_again(dispatcher: Any) -> None:
     with _lock:
         entry = run.plans.get(id(dispatcher))
     if entry is not None and entry.plan.woven and not entry.ran():
+        return
+    if unmeasured():
+        # Calls without grad so far (Lightning's sanity check): the pieces blocks' memory
+        # measure comes at their first call with grad and may re-plan them with hoist.
         return
     with guard("logging the plan summary", quiet=True):
         flush()
@@ -387,6 +404,11 @@ def _weak(dispatcher: Any) -> Any:
         return None
 
 
+def unmeasured() -> int:
+    """How many pieces blocks still wait for the first call with grad that measures them."""
+    return sum(1 for first in list(run.measuring) if not first.finished)
+
+
 def waiting() -> bool:
     """Is a summary waiting to be logged (plans recorded since the last)?"""
     return run.summary_pending
@@ -427,6 +449,8 @@ def flush() -> None:
     if woven and _settings.current().log_level is None:
         _log.configure_default()
     replans = format_replans(changed)
+    if waiting_for := unmeasured():
+        replans.append(f"{waiting_for} pieces block(s) not measured yet: no call with grad so far")
     if fresh:
         lines = [format_summary(fresh, covers=_covers(everything)), *(f"  {line}" for line in replans)]
     elif len(replans) == 1:

@@ -25,6 +25,7 @@ from typing import Any
 
 from autoweave import _compat
 from autoweave._log import logger
+from autoweave._state import run
 from autoweave.planning import learned
 from autoweave.planning.memory import Verdict
 
@@ -163,6 +164,7 @@ class FirstCall:
         self.done = done
         self.agree = agree
         self.finished = False
+        run.measuring.add(self)  # the plan summary waits for its first call with grad
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import torch

@@ -25,7 +25,7 @@ import _runner  # noqa: E402
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "clients: real client stacks (accelerate, Trainer, torchtitan, NeMo) in subprocesses; .ci/clients",
+        "clients: real client stacks (accelerate, Trainer, torchtitan, NeMo, Lightning) in subprocesses; .ci/clients",
     )
 
 
