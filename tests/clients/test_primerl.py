@@ -33,6 +33,14 @@ def test_primerl_order_keeps_the_layers_compiled(client_run, layers):
     for run in (plain, woven):
         assert run.ok, run.describe()
     assert woven.get("autoweave_active") and not plain.get("autoweave_active")
+    # prime-rl's units: router and experts inside each layer's (the compiled checkpoint wrapper's)
+    inner = "_checkpoint_wrapped_module.mlp"
+    expected = {
+        f"model.layers.{i}{suffix}"
+        for i in range(layers)
+        for suffix in ("", f".{inner}.gate", f".{inner}.experts")
+    }
+    assert expected <= set(woven.get("units")), woven.get("units")
     assert plain.get("fallbacks") >= 1
     assert plain.get("fwd_gemms_eager") > LIMIT, plain.result
     assert woven.get("fallbacks") == 0, woven.describe()
