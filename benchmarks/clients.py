@@ -3,7 +3,8 @@
 Runs the drivers of the real-clients lane (``tests/clients/<client>_worker.py``: accelerate's
 FSDP2 plugin with regional and whole-model compile, the transformers Trainer with
 ``torch_compile=True``, torchtitan's ``parallelize_qwen3``, NeMo Automodel's MoE parallelizer
-with its AC and per-layer compile), each in a subprocess (2 gloo ranks under torchrun where the
+with its AC and per-layer compile, transformers' native FSDP2 loading per compile form, prime-rl's
+wrapping order), each in a subprocess (2 gloo ranks under torchrun where the
 client supports it), once per setting: eager (no compile), plain ``torch.compile`` (``AUTOWEAVE``
 unset), autoweave's default (``AUTOWEAVE=1``) and each strategy forced (``AUTOWEAVE_STRATEGY``).
 For each run, printed as one Markdown table per client (and written with ``--json``):
@@ -21,7 +22,7 @@ For each run, printed as one Markdown table per client (and written with ``--jso
 - report: with ``AUTOWEAVE_REPORT``, the report's headline (modules planned/woven, graphs, ops,
   recompiles, fallbacks, fail-open counts), beside the profiler's count.
 
-    python benchmarks/clients.py [--clients accelerate,trainer,torchtitan,nemo] [--json out.json]
+    python benchmarks/clients.py [--clients accelerate,trainer,torchtitan,native,primerl,nemo] [--json out.json]
 
 Needs the lane's venv (``.ci/clients`` builds it in ``build/clients-venv``); a client whose
 package is missing is skipped.
@@ -103,6 +104,32 @@ CLIENTS: dict[str, tuple[str, list[tuple[str, str, list[str], int, tuple[str, ..
             )
         ],
     ),
+    "native": (
+        "transformers",
+        [
+            (
+                f"transformers native FSDP2 (from_pretrained distributed_config, gate + experts units), bf16, {form}",
+                "native_worker",
+                ["--compile", form],
+                2,
+                ("plain", "autoweave"),
+            )
+            for form in ("layer", "whole", "trainer")
+        ],
+    ),
+    "primerl": (
+        "transformers",
+        [
+            (
+                f"prime-rl's order (AC, layer compile, FSDP2 router/experts/layer/model), Qwen3-MoE {n} layers",
+                "primerl_worker",
+                ["--layers", str(n)],
+                2,
+                ("plain", "autoweave"),
+            )
+            for n in (2, 8)
+        ],
+    ),
     "nemo": (
         "nemo_automodel",
         [
@@ -177,7 +204,7 @@ def _eager_args(worker: str, args: list[str]) -> list[str]:
                 continue
             out.append(a)
         return out + ["--compile", "none"]
-    if worker in ("trainer_worker", "lightning_worker"):
+    if worker in ("trainer_worker", "lightning_worker", "native_worker"):
         return args + ["--eager"]
     return args + ["--no-compile"]
 
