@@ -4,14 +4,17 @@ Runs the drivers of the real-clients lane (``tests/clients/<client>_worker.py``:
 FSDP2 plugin with regional and whole-model compile, the transformers Trainer with
 ``torch_compile=True``, torchtitan's ``parallelize_qwen3``, NeMo Automodel's MoE parallelizer
 with its AC and per-layer compile, transformers' native FSDP2 loading per compile form, prime-rl's
-wrapping order), each in a subprocess (2 gloo ranks under torchrun where the
-client supports it), once per setting: eager (no compile), plain ``torch.compile`` (``AUTOWEAVE``
-unset), autoweave's default (``AUTOWEAVE=1``) and each strategy forced (``AUTOWEAVE_STRATEGY``).
+wrapping order, Lightning's ``ModelParallelStrategy``), each in a subprocess (2 gloo ranks under
+torchrun where the client supports it), once per setting: eager (no compile), plain
+``torch.compile`` (``AUTOWEAVE`` unset), "bound" (plain ``torch.compile`` on the same layer without
+the nested FSDP unit, where the worker can build it: ``BOUND``), autoweave's default
+(``AUTOWEAVE=1``) and each strategy forced (``AUTOWEAVE_STRATEGY``).
 For each run, printed as one Markdown table per client (and written with ``--json``):
 
 - runs?: trained every step (or the error it raised);
 - AC fallbacks: dynamo's "will fall back to eager-mode PyTorch" messages;
 - compiles / recompiles: dynamo's compile callbacks (``f/n`` with ``n > 0`` is a recompile);
+- frames: the distinct frames dynamo compiled (a frame once however often it recompiles);
 - graphs / ops: graphs the (aot_eager) backend was handed and their ops;
 - eager fwd GEMMs: GEMMs of one forward run outside compiled graphs (of all the forward's GEMMs);
 - activation memory: the C heap grown across one forward with grad, as a ratio to eager's;
@@ -19,10 +22,16 @@ For each run, printed as one Markdown table per client (and written with ``--jso
   checkpoint's higher-order ops defeat the mode; marked ``p``);
 - max rel loss diff: the largest relative difference of a step's loss from eager's;
 - first step: seconds (compile included);
+- step-1 CPU: user + system CPU seconds of the first training step, summed over the ranks (compiler
+  subprocesses included): the compile's cost, less sensitive than seconds to a shared machine;
+- step-1 CPU vs plain / vs bound, on autoweave's rows: its step-1 CPU over plain's, and over the
+  bound's. Plain often compiles none of the layers (it falls back to eager under the checkpoint), so
+  "vs plain" compares against compiling nothing; "vs bound" compares against plain compiling the
+  same layers whole when nothing nests (``docs/benchmarks.md``, "Step-1 CPU: vs plain, vs bound");
 - report: with ``AUTOWEAVE_REPORT``, the report's headline (modules planned/woven, graphs, ops,
   recompiles, fallbacks, fail-open counts), beside the profiler's count.
 
-    python benchmarks/clients.py [--clients accelerate,trainer,torchtitan,native,primerl,nemo] [--json out.json]
+    python benchmarks/clients.py [--clients accelerate,trainer,torchtitan,native,primerl,nemo,lightning] [--json out.json]
 
 Needs the lane's venv (``.ci/clients`` builds it in ``build/clients-venv``); a client whose
 package is missing is skipped.
@@ -45,6 +54,29 @@ import _runner  # noqa: E402  tests/clients/_runner.py
 
 STRATEGIES = ("plain", "autoweave", "hoist", "pieces")
 
+# The "bound" setting: plain torch.compile (AUTOWEAVE unset) with these worker args added, the same
+# model with nothing nested inside a checkpointed layer (what plain compiles when nothing breaks it).
+BOUND: dict[str, list[str]] = {
+    # only the decoder layers wrapped, each layer's unit around its checkpoint wrapper
+    "accelerate_worker": ["--variant", "upper_bound"],
+    # transformers' default plan: a unit per layer, none inside it
+    "native_worker": ["--units", "plan"],
+    # prime-rl's order without the router's and the experts' units
+    "primerl_worker": ["--units", "layer"],
+    # the experts in their block's unit
+    "lightning_worker": ["--units", "layer"],
+}
+# Why a worker has no bound (printed under its tables, and in the JSON rows).
+NO_BOUND: dict[str, str] = {
+    "trainer_worker": "n/a, nothing nests (no FSDP unit at all): autoweave has nothing to weave",
+    "torchtitan_worker": "n/a, nothing nests (torchtitan shards the experts with their block): autoweave is a no-op",
+    "nemo_worker": (
+        "n/a: without the experts' unit plain still does not compile NeMo's layers "
+        "(selective AC: the gate's load-buffer update is a side effect dynamo rejects under the checkpoint; "
+        "full AC: plain fails in backward with CheckpointError), so it would bound nothing"
+    ),
+}
+
 # client -> (package, [(table, worker, worker args, nproc, settings)])
 CLIENTS: dict[str, tuple[str, list[tuple[str, str, list[str], int, tuple[str, ...]]]]] = {
     "accelerate": (
@@ -55,28 +87,28 @@ CLIENTS: dict[str, tuple[str, list[tuple[str, str, list[str], int, tuple[str, ..
                 "accelerate_worker",
                 ["--layers", "3", "--measure"],
                 2,
-                STRATEGIES,
+                ("plain", "bound", "autoweave", "hoist", "pieces"),
             ),
             (
                 "accelerate FSDP2 + whole-model compile, 3 layers",
                 "accelerate_worker",
                 ["--layers", "3", "--compile", "whole", "--measure"],
                 2,
-                ("plain", "autoweave"),
+                ("plain", "bound", "autoweave"),
             ),
             (
                 "accelerate regional, 10 layers, 1 step",
                 "accelerate_worker",
                 ["--layers", "10", "--steps", "1"],
                 2,
-                ("plain", "autoweave"),
+                ("plain", "bound", "autoweave"),
             ),
             (
                 "accelerate regional, a no_grad forward first, 1 step",
                 "accelerate_worker",
                 ["--layers", "3", "--steps", "1", "--nograd"],
                 2,
-                ("plain", "autoweave"),
+                ("plain", "bound", "autoweave"),
             ),
         ],
     ),
@@ -112,7 +144,7 @@ CLIENTS: dict[str, tuple[str, list[tuple[str, str, list[str], int, tuple[str, ..
                 "native_worker",
                 ["--compile", form],
                 2,
-                ("plain", "autoweave"),
+                ("plain", "bound", "autoweave"),
             )
             for form in ("layer", "whole", "trainer")
         ],
@@ -125,7 +157,7 @@ CLIENTS: dict[str, tuple[str, list[tuple[str, str, list[str], int, tuple[str, ..
                 "primerl_worker",
                 ["--layers", str(n)],
                 2,
-                ("plain", "autoweave"),
+                ("plain", "bound", "autoweave"),
             )
             for n in (2, 8)
         ],
@@ -178,14 +210,14 @@ CLIENTS: dict[str, tuple[str, list[tuple[str, str, list[str], int, tuple[str, ..
                 "lightning_worker",
                 ["--api", "trainer", "--compile", "block"],
                 2,
-                ("plain", "autoweave"),
+                ("plain", "bound", "autoweave"),
             ),
             (
                 "Lightning Fabric ModelParallelStrategy, AC, whole-model compile after sharding, 3 layers",
                 "lightning_worker",
                 ["--api", "fabric", "--compile", "whole"],
                 2,
-                ("plain", "autoweave"),
+                ("plain", "bound", "autoweave"),
             ),
         ],
     ),
@@ -234,6 +266,8 @@ def measure(table: str, worker: str, args: list[str], nproc: int, setting: str, 
     key, wargs = setting, list(args)
     if setting == "eager":
         key, wargs = "plain", _eager_args(worker, args)
+    elif setting == "bound":
+        key, wargs = "plain", wargs + BOUND[worker]
     elif setting == "autoweave+report":
         key = "autoweave"
     report = tmp / f"{worker}-{abs(hash((table, setting)))}-r{{rank}}.json"
@@ -256,14 +290,41 @@ def measure(table: str, worker: str, args: list[str], nproc: int, setting: str, 
     return row
 
 
+def _ratio(a: Any, b: Any) -> float | None:
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or b <= 0:
+        return None
+    return round(a / b, 2)
+
+
+def add_ratios(table_rows: list[dict[str, Any]], worker: str) -> None:
+    """autoweave's step-1 CPU over plain's and over the bound's, on each autoweave row of one table.
+
+    Plain (``AUTOWEAVE`` unset) often compiles none of the layers, so the first ratio is against
+    compiling little; the bound is plain compiling the same layers whole with nothing nested, so the
+    second is against capturing as much. Rows other than autoweave's get ``None``.
+    """
+    by = {r["setting"]: r for r in table_rows if r.get("ok")}
+    plain, bound = by.get("plain", {}), by.get("bound", {})
+    for row in table_rows:
+        woven = row.get("ok") and row["setting"] not in ("eager", "plain", "bound")
+        cpu = row.get("step1_cpu_s")
+        row["step1_cpu_vs_plain"] = _ratio(cpu, plain.get("step1_cpu_s")) if woven else None
+        row["step1_cpu_vs_bound"] = _ratio(cpu, bound.get("step1_cpu_s")) if woven else None
+        row["bound_note"] = NO_BOUND.get(worker)
+
+
 def _fmt_row(row: dict[str, Any], eager: dict[str, Any] | None) -> str:
     def g(k: str) -> Any:
         v = row.get(k)
         return "-" if v is None else v
 
+    def x(k: str) -> str:
+        v = row.get(k)
+        return "-" if v is None else f"{v:.2f}x"
+
     if not row.get("ok"):
         err = str(row.get("error", "")).replace("|", "/")[:110]
-        return f"| {row['setting']} | **no**: {err} | | | | | | | | | {g('wall_s')} |"
+        return f"| {row['setting']} | **no**: {err} |" + " |" * 12 + f" {g('wall_s')} | |"
     total = (row.get("fwd_gemms_eager") or 0) + (row.get("fwd_gemms_compiled") or 0)
     gemms = f"{row['fwd_gemms_eager']} of {total}" if row.get("fwd_gemms_eager") is not None else "-"
     mem = "-"
@@ -293,16 +354,21 @@ def _fmt_row(row: dict[str, Any], eager: dict[str, Any] | None) -> str:
                 f"; measured: {measured['eager_gemms']} eager fwd GEMMs in compiled modules, "
                 f"{measured['fully_compiled']}/{measured['modules']} fully compiled"
             )
+    vs_bound = x("step1_cpu_vs_bound")
+    if vs_bound == "-" and row.get("bound_note") and row["setting"] not in ("eager", "plain"):
+        vs_bound = "n/a"
     return (
-        f"| {row['setting']} | yes | {g('fallbacks')} | {g('compiles')} / {g('recompiles')} | {g('graphs')} / {g('ops')} "
-        f"| {gemms} | {mem} | {bwd} | {diff} | {g('first_step_s')} | {g('wall_s')} | {rep_s} |"
+        f"| {row['setting']} | yes | {g('fallbacks')} | {g('compiles')} / {g('recompiles')} | {g('frames')} "
+        f"| {g('graphs')} / {g('ops')} | {gemms} | {mem} | {bwd} | {diff} | {g('first_step_s')} "
+        f"| {g('step1_cpu_s')} | {x('step1_cpu_vs_plain')} | {vs_bound} | {g('wall_s')} | {rep_s} |"
     )
 
 
 HEADER = (
-    "| setting | runs? | AC fallbacks | compiles / recompiles | graphs / ops | eager fwd GEMMs | act. memory vs eager "
-    "| bwd GEMMs | max rel loss diff | first step s | wall s | report |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| setting | runs? | AC fallbacks | compiles / recompiles | frames | graphs / ops | eager fwd GEMMs "
+    "| act. memory vs eager | bwd GEMMs | max rel loss diff | first step s | step-1 CPU s | step-1 CPU vs plain "
+    "| vs bound | wall s | report |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -338,10 +404,13 @@ def main(argv: list[str] | None = None) -> int:
                         file=sys.stderr,
                         flush=True,
                     )
+                add_ratios(table_rows, worker)
                 rows.extend(table_rows)
                 print(f"\n### {table}\n\n{HEADER}")
                 for row in table_rows:
                     print(_fmt_row(row, eager if eager.get("ok") else None))
+                if worker in NO_BOUND:
+                    print(f"\nvs bound: {NO_BOUND[worker]}")
                 for row in table_rows:
                     if row.get("autoweave_lines"):
                         print(f"\n{row['setting']} stderr (autoweave): " + " / ".join(row["autoweave_lines"]))

@@ -7,7 +7,9 @@ per block ``fully_shard`` on the experts (the nested unit), ``checkpoint_wrapper
 ``fully_shard`` on the wrapped block, then ``fully_shard`` on the root; ``--compile block``
 compiles each checkpointed block in place (``.compile()``), ``--compile whole`` compiles the whole
 model after sharding (``torch.compile(model)``, as Lightning's docs do); ``--eager`` compiles
-nothing. Every compile uses ``backend="aot_eager"``.
+nothing. Every compile uses ``backend="aot_eager"``. ``--units layer`` (``benchmarks/clients.py``'s
+"bound") leaves out the experts' ``fully_shard``: they stay in their block's unit, nothing is nested,
+and plain compile captures what it can when nothing breaks the checkpoint.
 
 Plain torch: each checkpointed block holds the experts' FSDP unit, whose hooks break the graph
 inside the checkpoint, so dynamo runs the whole block eager (an AC fallback per block).
@@ -26,7 +28,7 @@ parameter's full sum; ``--load DIR`` restores it instead of training (Trainer:
 ``trainer.fit(ckpt_path=DIR)`` for one more step, whose loss is the next loss; Fabric:
 ``fabric.load``) and reports the same.
 
-    torchrun --standalone --nproc-per-node 2 tests/clients/lightning_worker.py --api trainer|fabric [--compile block|whole] [--eager] [--save DIR | --load DIR]
+    torchrun --standalone --nproc-per-node 2 tests/clients/lightning_worker.py --api trainer|fabric [--compile block|whole] [--eager] [--units moe|layer] [--save DIR | --load DIR]
 """
 
 from __future__ import annotations
@@ -114,8 +116,8 @@ def _save_matmuls(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def parallelize(model, mesh, compile_form: str | None, ac: str = "full"):
-    """The user's code: FSDP2 units (the experts nested in each block), AC, then compile."""
+def parallelize(model, mesh, compile_form: str | None, ac: str = "full", units: str = "moe"):
+    """The user's code: FSDP2 units (the experts nested in each block unless ``units="layer"``), AC, then compile."""
     import functools
 
     import torch
@@ -128,7 +130,8 @@ def parallelize(model, mesh, compile_form: str | None, ac: str = "full"):
     if ac == "selective":
         ac_kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
     for i, block in enumerate(model.layers):
-        fully_shard(block.moe.experts, mesh=dp)
+        if units == "moe":
+            fully_shard(block.moe.experts, mesh=dp)
         wrapped = checkpoint_wrapper(block, **ac_kwargs)
         fully_shard(wrapped, mesh=dp)
         if compile_form == "block":
@@ -169,6 +172,12 @@ def main() -> None:
     p.add_argument("--compile", choices=("block", "whole"), default="block")
     p.add_argument("--eager", action="store_true", help="compile nothing")
     p.add_argument("--ac", choices=("full", "selective"), default="full", help="checkpoint_wrapper's AC")
+    p.add_argument(
+        "--units",
+        choices=("moe", "layer"),
+        default="moe",
+        help="moe: the experts a unit inside each block's; layer: no unit inside a block",
+    )
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--no-sanity", action="store_true", help="Trainer: no validation sanity check")
@@ -203,19 +212,21 @@ def run_trainer(args, compile_form, metrics) -> dict:
             self.model = build_model(args.layers)
             self.losses: list[float] = []
             self.times: list[float] = []
+            self.cpu: list[float] = []
             self.restored: list[float] | None = None
 
         def configure_model(self) -> None:
-            self.model = parallelize(self.model, self.device_mesh, compile_form, args.ac)
+            self.model = parallelize(self.model, self.device_mesh, compile_form, args.ac, args.units)
 
         def training_step(self, ids, _):
-            self._t0 = time.perf_counter()
+            self._t0, self._cpu0 = time.perf_counter(), _common.cpu_seconds()
             loss = loss_of(self.model, ids)
             self.losses.append(float(loss.detach()))
             return loss
 
         def on_train_batch_end(self, *_):
             self.times.append(time.perf_counter() - self._t0)
+            self.cpu.append(_common.cpu_seconds() - self._cpu0)
             metrics.end_step()
 
         def validation_step(self, ids, _):
@@ -253,7 +264,7 @@ def run_trainer(args, compile_form, metrics) -> dict:
         return {"next_loss": module.losses[-1], "param_sums": module.restored, "losses": module.losses}
     trainer = L.Trainer(max_steps=args.steps, **trainer_kwargs)
     trainer.fit(module, train, val)
-    result = _results(module.model, module.losses, module.times, metrics)
+    result = _results(module.model, module.losses, module.times, metrics, module.cpu[0])
     if args.save:
         trainer.save_checkpoint(args.save)
         result.update(_next(module.model, data[args.steps]))
@@ -266,7 +277,7 @@ def run_fabric(args, compile_form, metrics) -> dict:
     from lightning.fabric.strategies import ModelParallelStrategy
 
     strategy = ModelParallelStrategy(
-        parallelize_fn=lambda m, mesh: parallelize(m, mesh, compile_form, args.ac),
+        parallelize_fn=lambda m, mesh: parallelize(m, mesh, compile_form, args.ac, args.units),
         data_parallel_size=2,
         tensor_parallel_size=1,
     )
@@ -281,27 +292,32 @@ def run_fabric(args, compile_form, metrics) -> dict:
         result["param_sums"] = param_sums(model)
         return result
     losses, times = [], []
+    step1_cpu = 0.0
     for step in range(args.steps):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _common.cpu_seconds()
         loss = loss_of(model, data[step])
         fabric.backward(loss)
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
         times.append(time.perf_counter() - t0)
+        if step == 0:
+            step1_cpu = _common.cpu_seconds() - cpu0
         metrics.end_step()
-    result = _results(model, losses, times, metrics)
+    result = _results(model, losses, times, metrics, step1_cpu)
     if args.save:
         fabric.save(args.save, {"model": model, "optimizer": opt})
         result.update(_next(model, data[args.steps]))
     return result
 
 
-def _results(model, losses, times, metrics) -> dict:
+def _results(model, losses, times, metrics, step1_cpu: float) -> dict:
     result = {
         "losses": losses,
         "first_step_s": round(times[0], 2),
         "step_s": round(min(times[1:] or times), 3),
+        # the first training step; the Trainer's sanity check (no-grad forwards) compiles before it
+        "step1_cpu_s": round(_common.sum_over_ranks(step1_cpu), 2),
     }
     result.update(metrics.snapshot())
     ids = batch(0)

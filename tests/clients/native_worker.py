@@ -132,14 +132,17 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ids = torch.randint(0, 64, (2, 16), generator=g)
         losses, times = [], []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
+        step1_cpu = 0.0
+        for step in range(args.steps):
+            t0, cpu0 = time.perf_counter(), _common.cpu_seconds()
             out = run(input_ids=ids, labels=ids)
             out.loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(float(out.loss.item()))
             times.append(time.perf_counter() - t0)
+            if step == 0:
+                step1_cpu = _common.cpu_seconds() - cpu0
             metrics.end_step()
         result = {
             "units": units,
@@ -148,6 +151,7 @@ def main() -> None:
             "losses": losses,
             "first_step_s": round(times[0], 2),
             "step_s": round(min(times[1:] or times), 3),
+            "step1_cpu_s": round(_common.sum_over_ranks(step1_cpu), 2),
         }
         result.update(metrics.snapshot())
         result.update(
@@ -171,13 +175,15 @@ def _train_with_trainer(model, args, metrics, g) -> dict:
 
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 16), generator=g)]
     times: list[float] = []
+    cpu: list[float] = []  # CPU seconds of each step on this rank
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
-            self.t0 = time.perf_counter()
+            self.t0, self.cpu0 = time.perf_counter(), _common.cpu_seconds()
 
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter() - self.t0)
+            cpu.append(_common.cpu_seconds() - self.cpu0)
             metrics.end_step()
 
     with tempfile.TemporaryDirectory() as out:
@@ -203,6 +209,7 @@ def _train_with_trainer(model, args, metrics, g) -> dict:
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "first_step_s": round(times[0], 2),
         "step_s": round(min(times[1:] or times), 3),
+        "step1_cpu_s": round(_common.sum_over_ranks(cpu[0]), 2),
     }
     result.update(metrics.snapshot())
     wrapped = trainer.model_wrapped

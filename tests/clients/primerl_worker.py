@@ -18,7 +18,11 @@ router is fp32 as in prime-rl; transformers' ``Qwen3MoeTopKRouter`` does not upc
 states for an fp32 weight, so a bf16 model with an fp32 router fails in ``F.linear``); the mesh is
 ``init_device_mesh("cpu", (2,))`` with gloo. ``--no-compile`` skips step 2 (the eager reference).
 
-    torchrun --standalone --nproc-per-node 2 tests/clients/primerl_worker.py --layers 2 [--no-compile]
+``--units layer`` (``benchmarks/clients.py``'s "bound"): step 3 is left out, so the router and the
+experts stay in their layer's unit and no FSDP hook runs under a checkpoint: the same model and
+order with nothing nested, what plain compile captures when nothing breaks the checkpoint.
+
+    torchrun --standalone --nproc-per-node 2 tests/clients/primerl_worker.py --layers 2 [--no-compile] [--units moe|layer]
 """
 
 from __future__ import annotations
@@ -37,6 +41,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument(
+        "--units",
+        choices=("moe", "layer"),
+        default="moe",
+        help="moe: prime-rl's router and experts units inside the layer's; layer: no unit inside a layer",
+    )
     args = p.parse_args()
     metrics = _common.Metrics().install()
 
@@ -73,8 +83,9 @@ def main() -> None:
             for layer in layers:
                 layer.compile(backend="aot_eager")
         for layer in layers:  # 3. the fp32 router and the experts, 4. the layer
-            fully_shard(layer.mlp.gate, mesh=mesh)
-            fully_shard(layer.mlp.experts, mesh=mesh)
+            if args.units == "moe":
+                fully_shard(layer.mlp.gate, mesh=mesh)
+                fully_shard(layer.mlp.experts, mesh=mesh)
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         units = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
@@ -82,20 +93,24 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
         losses, times = [], []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
+        step1_cpu = 0.0
+        for step in range(args.steps):
+            t0, cpu0 = time.perf_counter(), _common.cpu_seconds()
             out = model(input_ids=ids, labels=ids)
             out.loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(float(out.loss.item()))
             times.append(time.perf_counter() - t0)
+            if step == 0:
+                step1_cpu = _common.cpu_seconds() - cpu0
             metrics.end_step()
         result = {
             "units": units,
             "losses": losses,
             "first_step_s": round(times[0], 2),
             "step_s": round(min(times[1:] or times), 3),
+            "step1_cpu_s": round(_common.sum_over_ranks(step1_cpu), 2),
         }
         result.update(metrics.snapshot())
         result.update(

@@ -60,13 +60,15 @@ def main() -> None:
         data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 16), generator=g)]
 
         times: list[float] = []
+        cpu: list[float] = []  # CPU seconds of each step (this one process: no process group)
 
         class Timer(TrainerCallback):
             def on_step_begin(self, *a, **k):
-                self.t0 = time.perf_counter()
+                self.t0, self.cpu0 = time.perf_counter(), _common.cpu_seconds()
 
             def on_step_end(self, *a, **k):
                 times.append(time.perf_counter() - self.t0)
+                cpu.append(_common.cpu_seconds() - self.cpu0)
 
         with tempfile.TemporaryDirectory() as out:
             targs = dict(
@@ -93,6 +95,7 @@ def main() -> None:
             "losses": losses,
             "first_step_s": round(times[0], 2),
             "step_s": round(min(times[1:] or times), 3),
+            "step1_cpu_s": round(_common.sum_over_ranks(cpu[0]), 2),
         }
         result.update(metrics.snapshot())
         wrapped = trainer.model_wrapped
