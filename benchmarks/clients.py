@@ -71,9 +71,9 @@ NO_BOUND: dict[str, str] = {
     "trainer_worker": "n/a, nothing nests (no FSDP unit at all): autoweave has nothing to weave",
     "torchtitan_worker": "n/a, nothing nests (torchtitan shards the experts with their block): autoweave is a no-op",
     "nemo_worker": (
-        "n/a: without the experts' unit plain still does not compile NeMo's layers "
-        "(selective AC: the gate's load-buffer update is a side effect dynamo rejects under the checkpoint; "
-        "full AC: plain fails in backward with CheckpointError), so it would bound nothing"
+        "n/a: plain's trouble with NeMo's layers is not the experts' unit alone (selective AC: the gate's "
+        "load-buffer update is a side effect dynamo rejects under the checkpoint; full AC: plain fails in "
+        "backward with CheckpointError), and both remain without it, so such a run would bound nothing"
     ),
 }
 

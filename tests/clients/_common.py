@@ -15,7 +15,7 @@ Measured, per run:
 - ``frames``: the distinct frames dynamo compiled, the ``f`` of those compile ids (a frame
   counts once however often it recompiles); ``compiles_per_step``, when the worker calls
   ``end_step()`` after each step: how many compiles (recompiles included) each step started;
-- ``step1_cpu_s`` (workers that ask for it): CPU seconds of the first step, user and system,
+- ``step1_cpu_s`` (every worker ``benchmarks/clients.py`` runs, and ``example_worker``): CPU seconds of the first step, user and system,
   of this process and of its waited-for children (compiler subprocesses), summed over the ranks
   (``cpu_seconds``, ``sum_over_ranks``);
 - ``fallbacks``: dynamo's "will fall back to eager-mode PyTorch" messages (AC regions that
