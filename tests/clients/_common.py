@@ -194,6 +194,18 @@ class Metrics:
         }
 
 
+def tiny_qwen3_moe_config(layers: int, **overrides: Any) -> Any:
+    """The lane's tiny transformers Qwen3-MoE config (4 experts, top 2, 32 wide), ``overrides`` applied."""
+    from transformers import Qwen3MoeConfig
+
+    fields = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return Qwen3MoeConfig(**{**fields, **overrides})
+
+
 def _in_graph_range(compiled: Any) -> Any:
     """``compiled`` called inside the profiler range ``measure.eager_gemms`` reads as "in a graph".
 

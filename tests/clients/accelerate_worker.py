@@ -130,22 +130,10 @@ def main() -> None:
         import torch
         from accelerate import Accelerator, PartialState
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, TorchDynamoPlugin
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        from transformers import Qwen3MoeForCausalLM
 
         torch.manual_seed(0)
-        cfg = Qwen3MoeConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            moe_intermediate_size=16,
-            num_hidden_layers=args.layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            num_experts=4,
-            num_experts_per_tok=2,
-            max_position_embeddings=64,
-        )
+        cfg = _common.tiny_qwen3_moe_config(args.layers)
         if args.use_cache != "config":
             cfg.use_cache = args.use_cache == "true"
         model = Qwen3MoeForCausalLM(cfg)

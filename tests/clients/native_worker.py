@@ -81,7 +81,7 @@ def main() -> None:
         import torch
         import torch.distributed as dist
         from torch.distributed.fsdp import FSDPModule
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        from transformers import Qwen3MoeForCausalLM
         from transformers.distributed import DistributedConfig
 
         dist.init_process_group("gloo")
@@ -92,20 +92,7 @@ def main() -> None:
         try:
             if rank == 0:
                 torch.manual_seed(0)
-                cfg = Qwen3MoeConfig(
-                    vocab_size=64,
-                    hidden_size=32,
-                    intermediate_size=64,
-                    moe_intermediate_size=16,
-                    num_hidden_layers=args.layers,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    head_dim=8,
-                    num_experts=4,
-                    num_experts_per_tok=2,
-                    max_position_embeddings=64,
-                    use_cache=False,
-                )
+                cfg = _common.tiny_qwen3_moe_config(args.layers, use_cache=False)
                 Qwen3MoeForCausalLM(cfg).save_pretrained(path)
             dist.barrier()
             dconf = DistributedConfig(fsdp_size=2, fsdp_plan=dict(MOE_UNITS) if args.units == "moe" else None)

@@ -56,25 +56,12 @@ def main() -> None:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        from transformers import Qwen3MoeForCausalLM
 
         dist.init_process_group("gloo")
         mesh = init_device_mesh("cpu", (2,))
         torch.manual_seed(0)
-        cfg = Qwen3MoeConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            moe_intermediate_size=16,
-            num_hidden_layers=args.layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            num_experts=4,
-            num_experts_per_tok=2,
-            max_position_embeddings=64,
-            use_cache=False,
-        )
+        cfg = _common.tiny_qwen3_moe_config(args.layers, use_cache=False)
         model = Qwen3MoeForCausalLM(cfg)
         layers = model.model.layers
         for i, layer in enumerate(layers):  # 1. AC per layer

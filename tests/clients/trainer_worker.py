@@ -34,7 +34,6 @@ def main() -> None:
     def body() -> dict:
         import torch
         from transformers import (
-            Qwen3MoeConfig,
             Qwen3MoeForCausalLM,
             Trainer,
             TrainerCallback,
@@ -42,19 +41,7 @@ def main() -> None:
         )
 
         torch.manual_seed(0)
-        cfg = Qwen3MoeConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            moe_intermediate_size=16,
-            num_hidden_layers=args.layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            num_experts=4,
-            num_experts_per_tok=2,
-            max_position_embeddings=64,
-        )
+        cfg = _common.tiny_qwen3_moe_config(args.layers)
         model = Qwen3MoeForCausalLM(cfg)
         g = torch.Generator().manual_seed(1)
         data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 16), generator=g)]
