@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.distributed import run_ranks
+from tests.distributed import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "benchmarks" / "moe_variants.py"
@@ -35,15 +33,8 @@ HAND = ("hand_siblings", "hand_ac_compile", "upper_bound")
 
 def _run(tmp: Path, ac: str, variants: list[str], *extra: str) -> dict[tuple[str, bool], dict]:
     out = tmp / f"{ac}.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOWEAVE")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(WORKER),
+    torchrun(
+        WORKER,
         "--ac",
         ac,
         "--steps",
@@ -53,8 +44,8 @@ def _run(tmp: Path, ac: str, variants: list[str], *extra: str) -> dict[tuple[str
         "--out",
         str(out),
         *extra,
-    ]
-    run_ranks(cmd, env, timeout=900)
+        timeout=900,
+    )
     records = json.loads(out.read_text())
     # Keyed by (order, autoweave); variants that force a strategy get their own keys too.
     out_map: dict = {}
