@@ -163,22 +163,12 @@ class _Planner:
                 splits=id(module) in self.tree.breaking,
             )
             return
-        # A boundary inside a boundary: its own forward is planned like any module.
-        if calls_checkpoint(module) or checkpoint_calls.call_checkpoints(module):
-            # It checkpoints in its own forward (HF's GradientCheckpointingLayer under
-            # FSDP2): a compile of that forward traces the checkpoint, and the boundary
-            # inside makes dynamo run the whole layer eager. Its forward stays eager.
-            self.add(
-                path,
-                module,
-                Action.BOUNDARY,
-                f"{kind} → hooks stay eager; its forward calls checkpoint: {_ONE_BY_ONE}",
-                opaque=opaque,
-            )
-            for child_path, child in walk(module, path):
-                self.node(child_path, child, moved)
-            return
-        if not self.children_one_by_one:
+        # A boundary inside a boundary: its own forward is planned like any module. One that
+        # checkpoints in its own forward (HF's GradientCheckpointingLayer under FSDP2) keeps that
+        # forward eager: a compile of it would trace the checkpoint, and the boundary inside makes
+        # dynamo run the whole layer eager.
+        hidden = _checkpoints_itself(module)
+        if not self.children_one_by_one and not hidden:
             self.split(
                 path,
                 module,
@@ -187,7 +177,8 @@ class _Planner:
                 action=Action.BOUNDARY,
             )
             return
-        self.add(path, module, Action.BOUNDARY, f"{kind} → hooks stay eager, inner planned below")
+        why = f"; its forward calls checkpoint: {_ONE_BY_ONE}" if hidden else ", inner planned below"
+        self.add(path, module, Action.BOUNDARY, f"{kind} → hooks stay eager{why}", opaque=opaque and hidden)
         for child_path, child in walk(module, path):
             self.node(child_path, child, moved)
 
@@ -265,9 +256,7 @@ class _Planner:
             spec = checkpoint_spec(child)
             if spec is not None and self.tree.has_boundary_below(child):
                 self.checkpointed(child_path, child, spec, moved, opaque=True)
-            elif self.tree.has_boundary_below(child) and (
-                calls_checkpoint(child) or checkpoint_calls.call_checkpoints(child)
-            ):
+            elif self.tree.has_boundary_below(child) and _checkpoints_itself(child):
                 self.weave_children(
                     child_path,
                     child,
@@ -277,6 +266,11 @@ class _Planner:
                 )
             elif self.tree.has_boundary_below(child):
                 self.inside_split(child_path, child, moved)
+
+
+def _checkpoints_itself(module: nn.Module) -> bool:
+    """Does ``module`` call checkpoint in its own forward or ``__call__`` (read from its code)?"""
+    return calls_checkpoint(module) or checkpoint_calls.call_checkpoints(module)
 
 
 def plan(
