@@ -22,6 +22,8 @@ Topics and what each publishes (positional arguments):
 - ``PLAN_RECORDED``: ``(entry,)``, the plan summary recorded a plan (``observe.summary.Entry``).
 - ``AC_KEPT``: ``(dispatcher,)``, a block woven as pieces reached dynamo's recompile limit and
   runs eager under its checkpoint from the next call (``weave.keep_checkpoint``).
+- ``AT_LIMIT``: ``(label,)``, a woven region under an eager checkpoint is at dynamo's recompile
+  limit and runs eager the calls none of its graphs fits (``_compat.lookups_in_order``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ CALLED_AGAIN = "called-again"
 WOVEN_AROUND = "woven-around"
 PLAN_RECORDED = "plan-recorded"
 AC_KEPT = "ac-kept"
+AT_LIMIT = "at-limit"
 
 # The state values a ``MOVED`` listener compares with (``dispatch.dispatchers.State``).
 PLAIN = "plain"

@@ -18,6 +18,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from autoweave._compat.checkpoints import in_eager_checkpoint as _in_eager_checkpoint
 from autoweave._compat.lookup import find, find_optional
 
 
@@ -282,9 +283,47 @@ def _insertion_order() -> _InsertionOrder | None:
     return None if set_lru is None else _InsertionOrder(set_lru)
 
 
+def _no_entry_at_limit(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], limit: int | None
+) -> bool:
+    """Would dynamo find no cache entry of ``fn``'s code for this call, with the code at its recompile limit?
+
+    Answered as dynamo would before running the frame: the entries' guards
+    checked against the frame's locals (the bound arguments, the closure's
+    cells). Any doubt (a torch without these names, an argument that does not
+    bind) answers False: the call then goes to dynamo as before.
+    """
+    entries_of = find_optional("torch._C._dynamo.eval_frame._debug_get_cache_entry_list")
+    if entries_of is None:
+        return False
+    entries = entries_of(fn.__code__)
+    if not entries:
+        return False
+    try:
+        if limit is None:
+            import torch._dynamo.config as config
+
+            limit = config.recompile_limit
+        if len(entries) < limit:
+            return False
+        bound = inspect.signature(fn, follow_wrapped=False).bind(*args, **kwargs)
+        bound.apply_defaults()
+        f_locals = dict(bound.arguments)
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False):
+            f_locals[name] = cell.cell_contents
+        return not any(entry.guard_manager.check(f_locals) for entry in entries)
+    except Exception:  # an entry or argument these names do not read: as before
+        return False
+
+
 def lookups_in_order(
     compiled: Callable[..., Any],
     inputs: Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
+    *,
+    eager: Callable[..., Any] | None = None,
+    converted: Callable[..., Any] | None = None,
+    recompile_limit: int | None = None,
+    on_limit: Callable[[], None] | None = None,
 ) -> Callable[..., Any]:
     """``compiled`` with dynamo's cache entries looked up in the order they were made.
 
@@ -307,6 +346,17 @@ def lookups_in_order(
     The switch is process-wide with no getter: it is off only while a woven
     call runs (its resume functions and its recompute included) and torch's
     default comes back after the last one returns.
+
+    ``eager`` (the function ``compiled`` compiles; ``converted``, the one of
+    its frames dynamo converts first, if another): under an eager checkpoint, a
+    call that no entry of that frame's code matches once the code is at its
+    recompile limit (``recompile_limit``, else dynamo's) runs ``eager`` with
+    dynamo off below it, telling ``on_limit``. Left to dynamo, such a frame runs eager
+    while the frames it calls run whatever entries they hold at that moment,
+    from any compile; entries other blocks compile before the recompute then
+    give the recompute other graphs than its forward ran (plain torch runs the
+    block eager under its checkpoint). Decided from the entries' guards before
+    the call, the forward and its recompute run the same code.
     """
     order = _insertion_order()
     if order is None and inputs is None:
@@ -315,10 +365,25 @@ def lookups_in_order(
         # Never converted by a compile whose frame calls the block (a fullgraph checkpoint
         # wrapper's): autoweave's own code, eager as in_order's own frame is.
         inputs = outside_dynamo(inputs, traced_as=inputs)
+    uncompiled = at_limit = None
+    if eager is not None:
+        uncompiled = outside_dynamo(eager, traced_as=eager)
+        frame_fn = converted or eager
+
+        def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+            if not (_in_eager_checkpoint() and _no_entry_at_limit(frame_fn, args, kwargs, recompile_limit)):
+                return False
+            if on_limit is not None:
+                on_limit()
+            return True
+
+        at_limit = outside_dynamo(runs_eager, traced_as=runs_eager)
 
     def in_order(*args: Any, **kwargs: Any) -> Any:
         if inputs is not None:
             args, kwargs = inputs(args, kwargs)
+        if at_limit is not None and at_limit(args, kwargs):
+            return uncompiled(*args, **kwargs)
         if order is None:
             return compiled(*args, **kwargs)
         order.enter()

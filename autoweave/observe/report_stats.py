@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoweave import _compat, _taps
+from autoweave import _compat, _events, _taps
 from autoweave._compat.log_strings import RecompileLimit
 from autoweave._log import rank, world_size
 from autoweave._state import run
@@ -84,12 +84,15 @@ class _Stats:
         self._limits = _taps.listening(RecompileLimit, self._on_limit)
         self._unlisten: Callable[[], None] | None = None
         self._unobserve: Callable[[], None] | None = None
+        self._unat: Callable[[], None] = lambda: None
 
     def install(self) -> None:
         self._unobserve = observe_graphs(self.on_graph)
         self.fallbacks.install()
         graph_breaks.watch_graph_breaks()  # the user's line of each graph break (autoweave/observe/graph_breaks.py)
         self._limits.start()  # dynamo's recompile-limit warnings (any compile, autoweave's or not)
+        # and the regions under an eager checkpoint that autoweave runs eager at the limit
+        self._unat = _events.subscribe(_events.AT_LIMIT, self._on_at_limit)
         # Kept across torch._dynamo.reset(), which clears dynamo's callbacks (compile_callbacks).
         self._unlisten = compile_callbacks.listen(self._on_start, self._on_end)
 
@@ -99,12 +102,16 @@ class _Stats:
             self._unobserve = None
         self.fallbacks.uninstall()
         self._limits.stop()
+        self._unat()
         if self._unlisten is not None:
             self._unlisten()
             self._unlisten = None
 
     def _on_limit(self, hit: RecompileLimit) -> None:
         self.limit_hits.append(hit.summary)
+
+    def _on_at_limit(self, label: str) -> None:
+        self.limit_hits.append(f"woven region {label} at the recompile limit: calls no graph fits run eager")
 
     # dynamo's compile callbacks: time every compile, attribute it to the regions it built
     def _on_start(self, args: Any = None, *_: Any) -> None:

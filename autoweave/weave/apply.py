@@ -16,7 +16,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _compat
+from autoweave import _compat, _events
+from autoweave._failopen import warn_each
 from autoweave._instances import install_forward, restore_forward
 from autoweave._log import logger
 from autoweave._state import run
@@ -294,8 +295,9 @@ def _region_forward(
             label = _label(decision.path, type(module))
             region_kw, backend = _backend_kwargs(kwargs, label, pieces_fn)
         _pieces_of_region(backend, pieces)
+        region = _private_region(own, checkpoint_fn, label)
         return _compat.lookups_in_order(
-            compile_fn(_private_region(own, checkpoint_fn, label), **region_kw), _compat.as_recompute_sees
+            compile_fn(region, **region_kw), _compat.as_recompute_sees, **_at_limit(region, label, region_kw)
         ), label
     # One compiled region, and one backend, per kind: identical blocks share both,
     # until dynamo guards on a number that differs between them (``shared_kinds``).
@@ -329,18 +331,40 @@ def _build_kind_region(
         None if decision.checkpoint is None or pieces_fn is not None else decision.checkpoint.checkpoint_fn
     )
     forward = cls.forward
+    converted = None
     if decision.splits and checkpoint_fn is None and _user_code(forward):
         region = on_own_code(forward, label, through_wrappers=True)
-        _run_wrappers_eagerly(region)
+        converted = _run_wrappers_eagerly(region)
     else:
         region = _shared_region(forward, checkpoint_fn, label)
     # A recompute must run the graph its forward ran (``lookups_in_order``), from inputs that
-    # meet the same guards (``as_recompute_sees``).
-    compiled = _compat.lookups_in_order(compile_fn(region, **region_kw), _compat.as_recompute_sees)
+    # meet the same guards (``as_recompute_sees``), and at the recompile limit the same code.
+    compiled = _compat.lookups_in_order(
+        compile_fn(region, **region_kw),
+        _compat.as_recompute_sees,
+        **_at_limit(region, label, region_kw),
+        converted=converted,
+    )
     return compiled, region, backend, label
 
 
-def _run_wrappers_eagerly(region: Callable[..., Any]) -> None:
+def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any]) -> dict[str, Any]:
+    """``lookups_in_order``'s arguments for a region at its recompile limit: what runs, and the warning."""
+
+    def on_limit() -> None:
+        if f"recompile-limit:{label}" not in run.warned_keys:  # once per region, as the warning
+            _events.publish(_events.AT_LIMIT, label)
+        warn_each(
+            f"recompile-limit:{label}",
+            f"[recompile-limit] woven region {label} is at dynamo's recompile limit: a call none of its "
+            "graphs fits runs eager under its checkpoint, forward and recompute, as in plain torch. "
+            "TORCH_LOGS=recompiles says which guard failed each time",
+        )
+
+    return {"eager": region, "recompile_limit": region_kw.get("recompile_limit"), "on_limit": on_limit}
+
+
+def _run_wrappers_eagerly(region: Callable[..., Any]) -> Callable[..., Any]:
     """Compile a copied decorator chain from the function it wraps, not from each wrapper.
 
     A graph break inside the wrapped function makes dynamo break at every
@@ -353,15 +377,19 @@ def _run_wrappers_eagerly(region: Callable[..., Any]) -> None:
     that compiles the layer's own ``forward``. A wrapper that computes on
     tensors stays a compiled frame: run eager, its ops would be left out of the
     graphs and, under ``pieces``, out of any checkpoint.
+
+    Returns the first function of the chain that dynamo converts.
     """
-    fn = region
+    fn, first = region, None
     while True:
         wrapped = getattr(fn, "__wrapped__", None)
         copied = getattr(getattr(wrapped, "__code__", None), "co_name", None) == region.__code__.co_name
         if not copied:
-            return
+            return first or fn
         if wrappers.passes_call_on(fn):
             _compat.skip_own_frame(fn)
+        else:
+            first = first or fn
         fn = wrapped
 
 

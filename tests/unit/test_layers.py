@@ -32,12 +32,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         # _compat, one module per concern; the package re-exports them all.
         "autoweave._compat.lookup",
         "autoweave._compat.modules",
+        "autoweave._compat.checkpoints",
         "autoweave._compat.dynamo",
         "autoweave._compat.guards",
         "autoweave._compat.backends",
         "autoweave._compat.conversion",
         "autoweave._compat.log_strings",
-        "autoweave._compat.checkpoints",
         "autoweave._compat.version",
         "autoweave._compat",
         "autoweave._log",
