@@ -368,6 +368,41 @@ def _fmt_row(row: dict[str, Any], eager: dict[str, Any] | None) -> str:
     )
 
 
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Every table on one line: plain, bound and autoweave's step-1 CPU, frames, graphs and eager GEMMs, and the ratios.
+
+    A cell reads ``CPU s (frames fr, graphs gr), eager of all forward GEMMs``; ``-`` where a table has
+    no such setting (its ``vs bound`` note says why), ``fails`` where the run raised.
+    """
+
+    def cell(row: dict[str, Any] | None) -> str:
+        if row is None:
+            return "-"
+        if not row.get("ok"):
+            return "fails"
+        total = (row.get("fwd_gemms_eager") or 0) + (row.get("fwd_gemms_compiled") or 0)
+        gemms = f", {row['fwd_gemms_eager']} of {total}" if row.get("fwd_gemms_eager") is not None else ""
+        return f"{row.get('step1_cpu_s')} ({row.get('frames')} fr, {row.get('graphs')} gr){gemms}"
+
+    def ratio(v: Any) -> str:
+        return "-" if v is None else f"{v:.2f}x"
+
+    tables: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        tables.setdefault(row["table"], {})[row["setting"]] = row
+    lines = [
+        "| table | plain | bound | autoweave | vs plain | vs bound |",
+        "|---|---|---|---|---|---|",
+    ]
+    for table, by in tables.items():
+        woven = by.get("autoweave")
+        lines.append(
+            f"| {table} | {cell(by.get('plain'))} | {cell(by.get('bound'))} | {cell(woven)} "
+            f"| {ratio((woven or {}).get('step1_cpu_vs_plain'))} | {ratio((woven or {}).get('step1_cpu_vs_bound'))} |"
+        )
+    return "\n".join(lines)
+
+
 HEADER = (
     "| setting | runs? | AC fallbacks | compiles / recompiles | frames | graphs / ops | eager fwd GEMMs "
     "| act. memory vs eager | bwd GEMMs | max rel loss diff | first step s | step-1 CPU s | step-1 CPU vs plain "
@@ -419,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
                     if row.get("autoweave_lines"):
                         print(f"\n{row['setting']} stderr (autoweave): " + " / ".join(row["autoweave_lines"]))
                 sys.stdout.flush()
+    if rows:
+        print("\n### Every table: step-1 CPU s (frames, graphs), eager forward GEMMs\n")
+        print(summary(rows))
     if args.json:
         import torch
 
