@@ -12,7 +12,9 @@ eager with dynamo off below it, in forward and recompute alike.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
+import pytest
 import torch
 
 from autoweave._compat import dynamo
@@ -27,10 +29,18 @@ def _make() -> tuple:
     return region
 
 
-def test_a_call_no_entry_fits_is_told_only_at_the_limit() -> None:
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
-    region = _make()
-    linear = torch.nn.Linear(4, 4)
+    yield
+    torch._dynamo.reset()
+
+
+LINEAR = torch.nn.Linear(4, 4)
+
+
+def test_a_call_no_entry_fits_is_told_only_at_the_limit() -> None:
+    region, linear = _make(), LINEAR
     compiled = torch.compile(region, backend="eager", dynamic=False)
     with torch._dynamo.config.patch(recompile_limit=2):
         compiled(linear, torch.randn(2, 4))
@@ -45,34 +55,27 @@ def test_a_call_no_entry_fits_is_told_only_at_the_limit() -> None:
         assert dynamo._no_entry_at_limit(region, (linear, torch.randn(2, 4)), {"bias": 3}, None)
     # A limit given with the compile (``recompile_limit=``) is the one that counts.
     assert not dynamo._no_entry_at_limit(region, (linear, torch.randn(5, 4)), {}, 8)
-    torch._dynamo.reset()
 
 
 def test_a_decorators_frame_is_read_with_its_own_arguments() -> None:
     # A wrapper made with functools.wraps: the frame dynamo converts is the wrapper's, with its
     # own ``*args`` (not the signature ``inspect`` would follow ``__wrapped__`` to).
-    torch._dynamo.reset()
-    inner = _make()
+    inner, linear = _make(), LINEAR
 
     @functools.wraps(inner)
     def computing(module: torch.nn.Module, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         return inner(module, x * 0.5, *args, **kwargs) * 2.0
 
-    linear = torch.nn.Linear(4, 4)
     compiled = torch.compile(computing, backend="eager", dynamic=False)
     with torch._dynamo.config.patch(recompile_limit=1):
         compiled(linear, torch.randn(2, 4))
         assert not dynamo._no_entry_at_limit(computing, (linear, torch.randn(2, 4)), {}, None)
         assert dynamo._no_entry_at_limit(computing, (linear, torch.randn(3, 4)), {}, None)
-    torch._dynamo.reset()
 
 
 def test_an_argument_that_does_not_bind_leaves_the_call_to_dynamo() -> None:
-    torch._dynamo.reset()
     region = _make()
-    linear = torch.nn.Linear(4, 4)
     compiled = torch.compile(region, backend="eager", dynamic=False)
     with torch._dynamo.config.patch(recompile_limit=1):
-        compiled(linear, torch.randn(2, 4))
-        assert not dynamo._no_entry_at_limit(region, (linear,), {"nope": 1}, None)
-    torch._dynamo.reset()
+        compiled(LINEAR, torch.randn(2, 4))
+        assert not dynamo._no_entry_at_limit(region, (LINEAR,), {"nope": 1}, None)
