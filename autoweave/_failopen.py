@@ -82,17 +82,18 @@ def guard(
         )
 
 
-def warn_each(key: str, message: str) -> None:
-    """Write ``message`` to stderr once per ``key`` (e.g. once per module that fell back)."""
+def warn_each(key: str, message: str) -> bool:
+    """Write ``message`` to stderr once per ``key`` (e.g. once per module that fell back); True the time it does."""
     with _lock:
         if key in run.warned_keys:
-            return
+            return False
         run.warned_keys.add(key)
     logger.debug("%s", message)
     try:
         sys.stderr.write(f"autoweave[rank{rank()}]: {message}\n")
     except Exception:  # a closed stderr must not turn a warning into a crash
         pass
+    return True
 
 
 def first_line(exc: BaseException) -> str:

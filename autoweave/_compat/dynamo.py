@@ -283,6 +283,12 @@ def _insertion_order() -> _InsertionOrder | None:
     return None if set_lru is None else _InsertionOrder(set_lru)
 
 
+@functools.cache
+def _cache_entries_of() -> Callable[[types.CodeType], list[Any]] | None:
+    # Looked up once: the check runs on every woven call inside an eager checkpoint.
+    return find_optional("torch._C._dynamo.eval_frame._debug_get_cache_entry_list")
+
+
 def _no_entry_at_limit(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], limit: int | None
 ) -> bool:
@@ -293,7 +299,7 @@ def _no_entry_at_limit(
     cells). Any doubt (a torch without these names, an argument that does not
     bind) answers False: the call then goes to dynamo as before.
     """
-    entries_of = find_optional("torch._C._dynamo.eval_frame._debug_get_cache_entry_list")
+    entries_of = _cache_entries_of()
     if entries_of is None:
         return False
     entries = entries_of(fn.__code__)

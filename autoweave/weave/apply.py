@@ -352,14 +352,14 @@ def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any])
     """``lookups_in_order``'s arguments for a region at its recompile limit: what runs, and the warning."""
 
     def on_limit() -> None:
-        if f"recompile-limit:{label}" not in run.warned_keys:  # once per region, as the warning
-            _events.publish(_events.AT_LIMIT, label)
-        warn_each(
+        told = warn_each(
             f"recompile-limit:{label}",
             f"[recompile-limit] woven region {label} is at dynamo's recompile limit: a call none of its "
             "graphs fits runs eager under its checkpoint, forward and recompute, as in plain torch. "
             "TORCH_LOGS=recompiles says which guard failed each time",
         )
+        if told:  # once per region, as the warning
+            _events.publish(_events.AT_LIMIT, label)
 
     return {"eager": region, "recompile_limit": region_kw.get("recompile_limit"), "on_limit": on_limit}
 
