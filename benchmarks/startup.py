@@ -10,13 +10,21 @@ build them, see ``tests/startup/venvs.py``):
 Runs are interleaved (A B C A B C ...) so drift hits all three alike; the table
 reports medians and the ratio of each median to the baseline's, beside the targets.
 
-    python benchmarks/startup.py [--rounds 60] [--json out.json] [--workdir DIR]
+``--import-torch N`` adds a second table: the CPU seconds (user + system) of
+``python -c "import torch"`` that never compiles (a dataloader worker, torchrun's
+launcher, a tool), in the venv without autoweave and with ``AUTOWEAVE=1``, with and
+without the report, N interleaved rounds. Plain torch leaves dynamo unimported; so
+must autoweave (each run checks it), and the ratios say what autoweave's patching
+of torch costs such a process.
+
+    python benchmarks/startup.py [--rounds 60] [--import-torch 20] [--json out.json] [--workdir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -30,6 +38,61 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "startup"
 import venvs  # noqa: E402 - the one venv recipe, shared with the tests
 
 TARGETS = {"installed, unset": 1.02, "installed, on": 1.10}
+
+
+IMPORT_TORCH = "import sys, torch; assert 'torch._dynamo' not in sys.modules, 'dynamo imported'"
+
+
+def _cpu_once(python: Path, env: dict[str, str]) -> float:
+    """CPU seconds (user + system) of one ``import torch`` process."""
+    proc = subprocess.Popen([str(python), "-c", IMPORT_TORCH], env=env, stdin=subprocess.DEVNULL)
+    _pid, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"import torch failed ({proc.returncode}) with {env.get('AUTOWEAVE')=}")
+    return usage.ru_utime + usage.ru_stime
+
+
+def import_torch(
+    configs: dict[str, tuple[Path, dict[str, str], bool]], rounds: int, report: Path
+) -> list[dict]:
+    """The ``import torch`` table: median CPU seconds per configuration, and the ratio to plain."""
+    python, env_on = configs["installed, on"][0], configs["installed, on"][1]
+    cases = {
+        "not installed": configs["not installed"][:2],
+        "installed, on": (python, env_on),
+        "installed, on, report": (python, {**env_on, "AUTOWEAVE_REPORT": str(report)}),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for py, env in cases.values():
+        _cpu_once(py, env)  # warm the page cache; also checks dynamo stays unimported
+    for _ in range(rounds):
+        for name, (py, env) in cases.items():
+            samples[name].append(_cpu_once(py, env))
+    base = statistics.median(samples["not installed"])
+    return [
+        {
+            "config": name,
+            "median_cpu_s": statistics.median(v),
+            "min_cpu_s": min(v),
+            "ratio": statistics.median(v) / base,
+        }
+        for name, v in samples.items()
+    ]
+
+
+def import_torch_markdown(rows: list[dict], rounds: int) -> str:
+    lines = [
+        f'`python -c "import torch"` (dynamo left unimported), CPU seconds, {rounds} interleaved rounds',
+        "",
+        "| configuration | median CPU (s) | min CPU (s) | ratio vs not installed |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['config']} | {r['median_cpu_s']:.2f} | {r['min_cpu_s']:.2f} | {r['ratio']:.2f}× |"
+        for r in rows
+    ]
+    return "\n".join(lines)
 
 
 def _time_once(python: Path, env: dict[str, str]) -> float:
@@ -133,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs per configuration first")
     parser.add_argument("--json", type=Path, help="write the samples and the summary here")
     parser.add_argument("--workdir", type=Path, help="build the venvs here (default: a temporary directory)")
+    parser.add_argument(
+        "--import-torch", type=int, default=0, metavar="N", help="also time `import torch`, N rounds"
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -142,8 +208,14 @@ def main(argv: list[str] | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         configs = build(workdir)
         samples = measure(configs, args.rounds, args.warmup)
+        torch_rows = (
+            import_torch(configs, args.import_torch, workdir / "report.json") if args.import_torch else []
+        )
     rows = summarize(samples)
     print(markdown(rows, args.rounds))
+    if torch_rows:
+        print()
+        print(import_torch_markdown(torch_rows, args.import_torch))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
@@ -153,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                     "python": platform.python_version(),
                     "summary": rows,
                     "samples_s": samples,
+                    "import_torch": {"rounds": args.import_torch, "summary": torch_rows},
                 },
                 indent=2,
             )

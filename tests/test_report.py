@@ -386,6 +386,47 @@ def _python(code: str, tmp: Path, **env_vars: str) -> subprocess.CompletedProces
     )
 
 
+_DYNAMO_IMPORTED = """
+import atexit, sys
+atexit.register(lambda: print("at exit", "torch._dynamo" in sys.modules))  # first registered: runs last
+import torch
+print("after import torch", "torch._dynamo" in sys.modules)
+import autoweave
+print("autoweave on", autoweave.is_enabled())
+if sys.argv[1] == "compile":
+    torch.compile(torch.nn.Linear(4, 4), backend="eager")(torch.randn(2, 4))
+"""
+
+
+@pytest.mark.parametrize("report", [False, True])
+def test_a_process_that_never_compiles_never_imports_dynamo(tmp_path: Path, report: bool) -> None:
+    # Plain ``import torch`` leaves dynamo unimported (1.6 s of CPU here); autoweave on, with
+    # its report listening and its exit summary, must too: dataloader workers, torchrun's
+    # launcher and tools import torch and never compile. The report still counts compiles.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOWEAVE") and k != "TORCH_LOGS"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), AUTOWEAVE="1")
+    if report:
+        env["AUTOWEAVE_REPORT"] = str(tmp_path / "r.json")
+
+    def run(what: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", _DYNAMO_IMPORTED, what],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
+
+    idle, busy = run("idle"), run("compile")
+    assert idle.returncode == 0 and busy.returncode == 0, idle.stderr + busy.stderr
+    assert idle.stdout.split("\n")[:3] == ["after import torch False", "autoweave on True", "at exit False"]
+    assert busy.stdout.split("\n")[:3] == ["after import torch False", "autoweave on True", "at exit True"]
+    if report:
+        dynamo = json.loads((tmp_path / "r.json").read_text())["dynamo"]
+        assert dynamo["compiles"] == 1, dynamo
+
+
 def test_a_process_that_compiles_nothing_writes_and_prints_nothing(tmp_path: Path) -> None:
     # torchrun's launcher: AUTOWEAVE=1 and AUTOWEAVE_REPORT inherited, torch imported, no RANK.
     template = str(tmp_path / "r{rank}.json")

@@ -56,6 +56,7 @@ from autoweave._compat.conversion import (
     suppressing_errors,
 )
 from autoweave._compat.dynamo import (
+    COMPILE_CALLBACKS_MODULE,
     backends_within,
     code_being_compiled,
     compile_callbacks,
@@ -146,6 +147,7 @@ __all__ = [
     "children_of",
     "code_being_compiled",
     "compile_again",
+    "COMPILE_CALLBACKS_MODULE",
     "compile_callbacks",
     "compile_in_progress",
     "compiled_inner",

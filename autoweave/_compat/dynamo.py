@@ -23,7 +23,12 @@ from autoweave._compat.lookup import find, find_optional
 
 
 def dynamo_counters() -> dict[str, Any]:
-    """dynamo's process-wide counters (``stats``, ``graph_break``...); {} when they moved."""
+    """dynamo's process-wide counters (``stats``, ``graph_break``...); {} when they moved.
+
+    {} too while dynamo is not imported: nothing compiled, and reading them must not import it.
+    """
+    if "torch._dynamo.utils" not in sys.modules:
+        return {}
     try:
         from torch._dynamo.utils import counters
     except Exception:  # pragma: no cover - private counters moved
@@ -80,11 +85,21 @@ def skip_own_frame(fn: Any) -> bool:
     the wrapper that makes an enclosing trace break at its call: only for code
     autoweave owns (a region's copy), never a user's shared code object.
     """
-    skip_code = find_optional("torch._dynamo.eval_frame.skip_code")
     code = getattr(fn, "__code__", None)
-    if skip_code is None or code is None:
+    if code is None:
         return False
-    skip_code(code)
+    # dynamo's ``skip_code`` is these three C names: read from the C module, they cost no
+    # ``import torch._dynamo`` (1.6 s of CPU), which a process that never compiles must not pay.
+    set_strategy = find_optional("torch._C._dynamo.eval_frame.set_code_exec_strategy")
+    strategy = find_optional("torch._C._dynamo.eval_frame._FrameExecStrategy")
+    action = find_optional("torch._C._dynamo.eval_frame._FrameAction")
+    if set_strategy is None or strategy is None or action is None:
+        skip_code = find_optional("torch._dynamo.eval_frame.skip_code")
+        if skip_code is None:
+            return False
+        skip_code(code)
+        return True
+    set_strategy(code, strategy(action.SKIP, action.DEFAULT))
     return True
 
 
@@ -138,9 +153,12 @@ def _eval_frame() -> Any:
     return eval_frame
 
 
+COMPILE_CALLBACKS_MODULE = "torch._dynamo.callback"
+
+
 def compile_callbacks() -> Any:
-    """dynamo's compile start/end callback registry, or None where torch lacks it."""
-    return find_optional("torch._dynamo.callback.callback_handler")
+    """dynamo's compile start/end callback registry, or None where torch lacks it (imports dynamo)."""
+    return find_optional(f"{COMPILE_CALLBACKS_MODULE}.callback_handler")
 
 
 def reset_code(code: Any) -> bool:
@@ -221,6 +239,31 @@ TRACE_AS = "_torchdynamo_inline"
 DISABLED = "_torchdynamo_disable"
 
 
+_DYNAMO = "torch._dynamo"
+_waiting_for_dynamo: list[Callable[[], None]] = []
+_waiting_lock = threading.Lock()
+
+
+def _when_dynamo_imported(then: Callable[[], None]) -> None:
+    """Run ``then`` once dynamo is imported: now if it is, else right after its import (one hook for all)."""
+    from autoweave import _importhook
+
+    with _waiting_lock:
+        _waiting_for_dynamo.append(then)
+    _importhook.register(_DYNAMO, _run_waiting)  # one hook for the process (a second register is a no-op)
+    dynamo = sys.modules.get(_DYNAMO)
+    if dynamo is not None and not getattr(getattr(dynamo, "__spec__", None), "_initializing", False):
+        _run_waiting()
+
+
+def _run_waiting(_module: Any = None) -> None:
+    with _waiting_lock:
+        waiting = list(_waiting_for_dynamo)
+        _waiting_for_dynamo.clear()
+    for then in waiting:
+        then()
+
+
 def outside_dynamo(fn: Callable[..., Any], *, traced_as: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run with dynamo's frame evaluation off; a trace that meets it traces ``traced_as``.
 
@@ -233,21 +276,26 @@ def outside_dynamo(fn: Callable[..., Any], *, traced_as: Callable[..., Any]) -> 
     """
     import torch
 
-    disabled = torch._dynamo.disable(fn, recursive=True)
     current_callback = find_optional("torch._C._dynamo.eval_frame.get_eval_frame_callback")
+    disabled: list[Callable[..., Any]] = []
+    # Made once dynamo is imported (at once if it is): this may run when torch is imported,
+    # in processes that never compile, and making it imports dynamo (1.6 s of CPU).
+    _when_dynamo_imported(lambda: disabled.append(torch._dynamo.disable(fn, recursive=True)))
 
     # Called from eager code (every step's call) no frame evaluation is set, and turning
     # it off costs two eval-frame swaps a call: fn runs as it is. Only under a compile
     # that runs this call (one that breaks its graph here) is it turned off. Dynamo never
     # converts the wrapper's own frame (``skip_own_frame``), only what it calls, and that
-    # is where ``disabled`` takes over.
+    # is where the disabled ``fn`` takes over.
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if current_callback() is None:
             return fn(*args, **kwargs)
-        return disabled(*args, **kwargs)
+        if not disabled:  # the hook was taken away (``autoweave.disable()``) before dynamo's import
+            _run_waiting()
+        return disabled[0](*args, **kwargs)
 
     if current_callback is None or not skip_own_frame(wrapper):
-        wrapper = disabled  # where torch lacks either name: always off, as it was
+        wrapper = torch._dynamo.disable(fn, recursive=True)  # where torch lacks either name: always off
         setattr(wrapper, DISABLED, False)
     else:
         functools.update_wrapper(wrapper, fn)
