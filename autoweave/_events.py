@@ -23,7 +23,7 @@ Topics and what each publishes (positional arguments):
 - ``AC_KEPT``: ``(dispatcher,)``, a block woven as pieces reached dynamo's recompile limit and
   runs eager under its checkpoint from the next call (``weave.keep_checkpoint``).
 - ``AT_LIMIT``: ``(label,)``, a woven region under an eager checkpoint is at dynamo's recompile
-  limit and runs eager the calls none of its graphs fits (``_compat.lookups_in_order``).
+  limit and runs eager the calls none of its graphs fits (``_compat.dynamo.lookups_in_order``).
 """
 
 from __future__ import annotations

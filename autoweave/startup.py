@@ -170,8 +170,8 @@ def _environment_problem(torch_module: "Any") -> "str | None":
     from autoweave import _compat
 
     try:
-        support = _compat.torch_support(str(version), untested=_settings.current().untested_torch)
-    except _compat.UnsupportedTorch as exc:  # an unreadable version
+        support = _compat.version.torch_support(str(version), untested=_settings.current().untested_torch)
+    except _compat.lookup.UnsupportedTorch as exc:  # an unreadable version
         return f"[unsupported-torch] {exc}"
     if not support.on:
         return f"[{support.tag}] {support.message}"

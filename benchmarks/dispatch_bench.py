@@ -214,7 +214,7 @@ class _LimitHits(logging.Handler):
         self.count = 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        if _compat.RECOMPILE_LIMIT_NEEDLE in record.getMessage():
+        if _compat.log_strings.RECOMPILE_LIMIT_NEEDLE in record.getMessage():
             self.count += 1
 
 
@@ -243,7 +243,7 @@ def measure(
 ) -> Row:
     torch._dynamo.reset()  # cases never share dynamo caches (nor recompile budgets)
     hits = _LimitHits()
-    limit_logger = logging.getLogger(_compat.RECOMPILE_LIMIT_LOGGER)
+    limit_logger = logging.getLogger(_compat.log_strings.RECOMPILE_LIMIT_LOGGER)
     limit_logger.addHandler(hits)
     row = Row(case, 0, layers)
     try:

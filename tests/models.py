@@ -60,10 +60,10 @@ class RecompileLimitHits(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.messages: list[str] = []
-        self._logger = logging.getLogger(_compat.RECOMPILE_LIMIT_LOGGER)
+        self._logger = logging.getLogger(_compat.log_strings.RECOMPILE_LIMIT_LOGGER)
 
     def emit(self, record: logging.LogRecord) -> None:
-        if _compat.RECOMPILE_LIMIT_NEEDLE in record.getMessage():
+        if _compat.log_strings.RECOMPILE_LIMIT_NEEDLE in record.getMessage():
             self.messages.append(record.getMessage())
 
     def __enter__(self) -> RecompileLimitHits:
@@ -82,7 +82,7 @@ def recompiles() -> Iterator[list[str]]:
     but on a list of the test's own.
     """
     seen: list[str] = []
-    callbacks = _compat.compile_callbacks()
+    callbacks = _compat.dynamo.compile_callbacks()
 
     def on_start(args: object = None, *_: object) -> None:
         if getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO") != "DYNAMO":

@@ -27,7 +27,7 @@ class _Records(logging.Handler):
 
 @pytest.fixture
 def dynamo_logger():
-    log = logging.getLogger(_compat.FALLBACK_LOGGER)
+    log = logging.getLogger(_compat.log_strings.FALLBACK_LOGGER)
     saved = (log.level, log.propagate)
     log.setLevel(logging.WARNING)  # torch's default: INFO is not shown
     log.propagate = True
@@ -39,13 +39,13 @@ def dynamo_logger():
 def test_counters_uninstalled_out_of_order_restore_the_logger(dynamo_logger: logging.Logger) -> None:
     first, second = counting.FallbackCounter().install(), counting.FallbackCounter().install()
     first.uninstall()  # not last-in-first-out
-    assert _taps.tap(_compat.FALLBACK_LOGGER) in dynamo_logger.filters  # second still listens
+    assert _taps.tap(_compat.log_strings.FALLBACK_LOGGER) in dynamo_logger.filters  # second still listens
     assert (dynamo_logger.level, dynamo_logger.propagate) == (logging.WARNING, True)
     dynamo_logger.info("... will fall back to eager-mode PyTorch")
     assert (first.count, second.count) == (0, 1)
     second.uninstall()
     assert (dynamo_logger.level, dynamo_logger.propagate) == (logging.WARNING, True)
-    assert _taps.tap(_compat.FALLBACK_LOGGER) not in dynamo_logger.filters
+    assert _taps.tap(_compat.log_strings.FALLBACK_LOGGER) not in dynamo_logger.filters
     assert "isEnabledFor" not in vars(dynamo_logger)
 
 

@@ -104,7 +104,7 @@ class _PythonVersion(tuple):
     micro = property(lambda self: self[2])
 
 
-(_LOW, _HIGH) = _compat.TESTED_TORCH
+(_LOW, _HIGH) = _compat.version.TESTED_TORCH
 _NEWER = f"{_HIGH[0]}.{_HIGH[1] + 1}.0"
 _OLDER = f"{_LOW[0]}.{_LOW[1] - 1}.3"
 

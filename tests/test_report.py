@@ -258,12 +258,12 @@ def _backend_chains(*, reporting: bool) -> dict:
     _state.reset()
     if reporting:
         report.start(None)
-    aot_eager = _compat.lookup_backend("aot_eager")
+    aot_eager = _compat.backends.lookup_backend("aot_eager")
     dynamo_dir = os.path.dirname(torch._dynamo.__file__)
     chains: list[tuple[str, ...]] = []
 
     def users_backend(gm, example_inputs):
-        code = _compat.code_being_compiled()
+        code = _compat.dynamo.code_being_compiled()
         if code is not None and code.co_name.startswith("autoweave_"):  # a woven region's graph
             chain, frame = [], sys._getframe(1)
             while frame is not None and not frame.f_code.co_filename.startswith(dynamo_dir):

@@ -169,7 +169,11 @@ def _broken(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
 
-_TAPPED = (_compat.FALLBACK_LOGGER, _compat.GRAPH_BREAK_LOGGER, _compat.RECOMPILE_LIMIT_LOGGER)
+_TAPPED = (
+    _compat.log_strings.FALLBACK_LOGGER,
+    _compat.log_strings.GRAPH_BREAK_LOGGER,
+    _compat.log_strings.RECOMPILE_LIMIT_LOGGER,
+)
 
 
 def _dynamo_shows(**settings: Any) -> list[tuple[str, int, str]]:
@@ -200,7 +204,7 @@ def test_set_logs_after_a_woven_plan_shows_what_plain_torch_shows(weave_on: None
     _dynamo_shows(dynamo=logging.DEBUG)  # dynamo logs each skipped file once per process: not compared
     plain = _dynamo_shows(dynamo=logging.DEBUG)
     plain_reset, plain_state = _dynamo_shows(), _loggers_state()
-    assert any(name == _compat.GRAPH_BREAK_LOGGER for name, _, _ in plain), plain
+    assert any(name == _compat.log_strings.GRAPH_BREAK_LOGGER for name, _, _ in plain), plain
     model = torch.compile(cw.checkpoint_wrapper(Block()), backend="eager")
     x = torch.randn(4, 8)
     for _ in range(2):

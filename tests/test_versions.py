@@ -1,7 +1,7 @@
 """torch versions: pip never caps them; the start-up check and ``doctor`` agree.
 
 A torch older than tested turns autoweave off; one newer than tested is checked
-name by name (``_compat.self_check``): on with one notice when everything is
+name by name (``_compat.version.self_check``): on with one notice when everything is
 there, off naming what is missing otherwise, off outright with
 ``AUTOWEAVE_UNTESTED_TORCH=off``.
 """
@@ -21,7 +21,7 @@ from autoweave._compat import version
 from autoweave.cli import doctor
 
 ROOT = Path(__file__).resolve().parents[1]
-LOW, HIGH = _compat.TESTED_TORCH
+LOW, HIGH = _compat.version.TESTED_TORCH
 NEWER = f"{HIGH[0]}.{HIGH[1] + 1}.0"
 OLDER = f"{LOW[0]}.{LOW[1] - 1}.0"
 
@@ -40,30 +40,33 @@ def test_pyproject_sets_no_torch_upper_bound() -> None:
 
 
 def test_torch_2_15_is_tested() -> None:
-    assert _compat.torch_support("2.15.0+cu132").on and not _compat.torch_support("2.15.0").untested
+    assert (
+        _compat.version.torch_support("2.15.0+cu132").on
+        and not _compat.version.torch_support("2.15.0").untested
+    )
 
 
 def test_an_older_torch_is_off_and_a_newer_one_is_decided_by_the_self_check() -> None:
-    old = _compat.torch_support(OLDER)
+    old = _compat.version.torch_support(OLDER)
     assert not old.on and "not supported" in old.message and f"{LOW[0]}.{LOW[1]}" in old.message
-    fine = _compat.torch_support(NEWER, check=list)
+    fine = _compat.version.torch_support(NEWER, check=list)
     assert fine.on and fine.untested and "newer than the newest tested" in fine.message
-    broken = _compat.torch_support(NEWER, check=lambda: ["torch._dynamo.eval_frame.OptimizedModule"])
+    broken = _compat.version.torch_support(NEWER, check=lambda: ["torch._dynamo.eval_frame.OptimizedModule"])
     assert not broken.on and broken.missing == ("torch._dynamo.eval_frame.OptimizedModule",)
     assert "lacks what autoweave needs: torch._dynamo.eval_frame.OptimizedModule" in broken.message
-    strict = _compat.torch_support(NEWER, untested="off", check=list)
+    strict = _compat.version.torch_support(NEWER, untested="off", check=list)
     assert not strict.on and "AUTOWEAVE_UNTESTED_TORCH=off" in strict.message
 
 
 def test_the_self_check_finds_everything_on_this_torch_and_names_what_is_missing(monkeypatch) -> None:
-    assert _compat.self_check() == []
+    assert _compat.version.self_check() == []
     needs = version._needs()
     monkeypatch.setattr(
         version,
         "_needs",
-        lambda: (*needs, ("torch._no_such_name", lambda: _compat.find("torch._no_such_name"))),
+        lambda: (*needs, ("torch._no_such_name", lambda: _compat.lookup.find("torch._no_such_name"))),
     )
-    assert _compat.self_check() == ["torch._no_such_name"]
+    assert _compat.version.self_check() == ["torch._no_such_name"]
 
 
 def test_doctor_and_start_up_check_agree_on_torch_versions() -> None:
@@ -95,7 +98,7 @@ print("OFF", startup.off_reason() is not None, "PATCHED", sorted(patches.applied
 _MISSING = """
 from autoweave._compat import version
 needs = version._needs
-version._needs = lambda: (*needs(), ("torch._dynamo.no_such_hook", lambda: _compat.find("torch._dynamo.no_such_hook")))
+version._needs = lambda: (*needs(), ("torch._dynamo.no_such_hook", lambda: _compat.lookup.find("torch._dynamo.no_such_hook")))
 """
 
 

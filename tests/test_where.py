@@ -54,7 +54,9 @@ def test_no_source_outside_user_code() -> None:
 
 def _site_of_record(text: str) -> str | None:
     # A record as dynamo's graph_breaks logger emits it, read and placed as the watch does.
-    record = logging.LogRecord(_compat.GRAPH_BREAK_LOGGER, logging.DEBUG, __file__, 1, text, None, None)
+    record = logging.LogRecord(
+        _compat.log_strings.GRAPH_BREAK_LOGGER, logging.DEBUG, __file__, 1, text, None, None
+    )
     return graph_breaks.site_of(log_strings.read(record))
 
 

@@ -61,7 +61,7 @@ def _tuple(raw: str) -> tuple[int, ...]:
 
 
 def check_torch(version: str | None, untested: str | None = None) -> Check:
-    """The installed torch against ``_compat.TESTED_TORCH``, as the start-up check judges it.
+    """The installed torch against ``_compat.version.TESTED_TORCH``, as the start-up check judges it.
 
     pyproject only sets a lower bound (pip must not replace a newer torch). On a
     torch newer than tested, autoweave checks at start-up what it needs from it;
@@ -69,7 +69,7 @@ def check_torch(version: str | None, untested: str | None = None) -> Check:
     """
     from autoweave import _compat
 
-    low, high = _compat.TESTED_TORCH
+    low, high = _compat.version.TESTED_TORCH
     tested = f"tested: {low[0]}.{low[1]} to {high[0]}.{high[1]}"
     requirement = f"pip install 'torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}'"
     if version is None:
@@ -77,8 +77,8 @@ def check_torch(version: str | None, untested: str | None = None) -> Check:
     if untested is None:
         untested = _settings.Settings.from_environ().untested_torch
     try:
-        version_tuple = _compat.torch_version(version)
-    except _compat.UnsupportedTorch as exc:
+        version_tuple = _compat.version.torch_version(version)
+    except _compat.lookup.UnsupportedTorch as exc:
         return Check(FAIL, f"torch {version}", str(exc), requirement)
     if version_tuple < low:
         return Check(

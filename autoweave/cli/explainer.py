@@ -116,7 +116,7 @@ def _parameter_count(module: nn.Module) -> int:
 
 def _describe(name: str, container: nn.Module) -> str:
     kinds = sorted({type(child).__name__ for child in container.children()})
-    count = len(_compat.children_of(container))
+    count = len(_compat.modules.children_of(container))
     what = f"{count} × {kinds[0]}" if len(kinds) == 1 else f"{count} blocks: {', '.join(kinds[:3])}"
     return f"{name or '<root>'} ({type(container).__name__}, {what})"
 
@@ -145,7 +145,7 @@ def blocks_of(model: nn.Module, path: str | None = None) -> tuple[str, nn.Module
                 f"--blocks {path!r}: {type(model).__name__} has no submodule by that name "
                 f"(ModuleList/ModuleDict found: {found})"
             ) from None
-        if not _compat.children_of(container):
+        if not _compat.modules.children_of(container):
             raise BadInput(f"--blocks {path!r}: {type(container).__name__} has no child modules to plan")
         return path, container
     candidates = _candidates(model)
@@ -194,7 +194,7 @@ def simulate(
     ``experts`` is tried, and a model without experts simply has no units.
     Returns ``(qualified name, compile target)`` for every block.
     """
-    cw = _compat.checkpoint_wrapper_module()
+    cw = _compat.modules.checkpoint_wrapper_module()
 
     if ac not in ("full", "selective", "none"):
         raise ValueError(f"ac={ac!r} not understood (accepted: full, selective, none)")

@@ -23,7 +23,7 @@ right after it returns, on every call that is such a first call whether or not
 this rank saw anything. Whether a call is one depends only on the plan and the
 state of the process (grad mode, the user's saved-tensor hooks), which agreed
 decisions keep the same on every rank. The group is the ranks that run the
-module: those its parameters are sharded over (``_compat.process_groups_of``:
+module: those its parameters are sharded over (``_compat.modules.process_groups_of``:
 FSDP2's meshes, FSDP1's groups, a DTensor's mesh), found under the module
 ``torch.compile`` was handed (an FSDP unit wrapping the compiled module counts).
 Those ranks gather its parameters at each forward, so they all reach the call;
@@ -60,7 +60,7 @@ def groups_running(module: Any) -> list[Any]:
         return []
     found: dict[int, Any] = {}
     for sub in module.modules():
-        for group in _compat.process_groups_of(sub):
+        for group in _compat.modules.process_groups_of(sub):
             if group.size() > 1:
                 found.setdefault(id(group), group)
     return list(found.values())

@@ -63,8 +63,8 @@ def untraceable(
     if outer is not None:
         modules.append(outer)
     try:
-        wrapper_cls = _compat.checkpoint_wrapper_class()
-    except _compat.UnsupportedTorch:
+        wrapper_cls = _compat.modules.checkpoint_wrapper_class()
+    except _compat.lookup.UnsupportedTorch:
         return found
     for module in modules:
         if not isinstance(module, wrapper_cls):

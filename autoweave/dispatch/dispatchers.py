@@ -176,7 +176,7 @@ class _Dispatcher:
                 if (
                     self.__dict__.get(attr) is observed
                     and not torch.compiler.is_compiling()
-                    and not _compat.in_backward()  # a checkpoint's recompute: not a call of the forward
+                    and not _compat.checkpoints.in_backward()  # a checkpoint's recompute: not a call of the forward
                 ):
                     if left[0] > 0:
                         left[0] -= 1
@@ -199,7 +199,7 @@ class _Dispatcher:
     @classmethod
     def attach_to_optimized(cls, optimized: nn.Module, compile_kwargs: dict[str, Any]) -> None:
         plain_forward = optimized.forward
-        target = _compat.compiled_inner(optimized)
+        target = _compat.modules.compiled_inner(optimized)
         dispatcher = cls(target, compile_kwargs, lambda: plain_forward, target.__call__)
         dispatcher.holder = weakref.ref(optimized)
         optimized.forward = dispatcher.call
@@ -214,11 +214,11 @@ class _Dispatcher:
         previous = _instances.dispatcher_of(module)
         if previous is not None:
             previous.retire()  # compiled twice (pipeline stages do): one layer only
-        dispatcher = cls(module, compile_kwargs, lambda: plain, _compat.call_impl(module))
+        dispatcher = cls(module, compile_kwargs, lambda: plain, _compat.modules.call_impl(module))
         dispatcher._call_traced = False
         # nn.Module drops _compiled_call_impl when pickled or copied, so a copy
         # is what plain torch makes: an uncompiled module.
-        _compat.set_compiled_call(module, dispatcher.call)
+        _compat.modules.set_compiled_call(module, dispatcher.call)
         _instances.attach(module, dispatcher)
         return dispatcher
 
@@ -256,7 +256,7 @@ class _Dispatcher:
         goes by it: TorchScript skips a function it cannot script, but types any
         other object from ``nn.Module``'s annotation and fails. A closure costs no
         more per call than the dispatcher's own ``__call__``; the wrapper that keeps
-        dynamo out of it (``_compat.outside_dynamo``) reads the eval-frame callback
+        dynamo out of it (``_compat.dynamo.outside_dynamo``) reads the eval-frame callback
         and, called from eager code, swaps nothing.
         """
         dispatcher = self
@@ -282,7 +282,7 @@ class _Dispatcher:
 
         # Under an outer compile (the whole model over compiled blocks) dynamo sees what
         # plain torch.compile made, and never traces or converts the dispatcher's frames.
-        return _compat.outside_dynamo(call, traced_as=self._plain_forward())
+        return _compat.dynamo.outside_dynamo(call, traced_as=self._plain_forward())
 
     def _plain_forward(self) -> Callable[..., Any]:
         """What plain torch.compile made of the target (built at its first use)."""
@@ -332,7 +332,7 @@ class _Dispatcher:
                     # around it still compiles all but the break.
                     located = {
                         id(
-                            _compat.checkpoint_wrapped(target)
+                            _compat.modules.checkpoint_wrapped(target)
                         ): "a graph break inside (dynamo gave no location)"
                     }
         modules = list(target.modules())
@@ -423,7 +423,7 @@ class _Dispatcher:
                 self.plan = plan.plain_instead("fullgraph=True and a graph break outside the boundaries")
                 _events.publish(_events.PLANNED, self, self.plan)
         first = unexpected[0]
-        raise _compat.fullgraph_break(
+        raise _compat.dynamo.fullgraph_break(
             f"fullgraph=True: graph break at {first.site} ({first.reason or 'see TORCH_LOGS=graph_breaks'}); "
             "autoweave compiles around boundaries only"
             + (f" (here: {', '.join(sorted(allowed))})" if allowed else "")
@@ -585,13 +585,13 @@ def _forget_traced_code(target: nn.Module) -> None:
                 if code is not None and fn is not nn.Module.__call__:
                     codes.add(code)
     for code in codes:
-        _compat.reset_code(code)
+        _compat.dynamo.reset_code(code)
 
 
 def _rebuild_copy(original: nn.Module, duplicate: nn.Module) -> None:
     """``copy.deepcopy`` of a compiled module: the copy gets a dispatcher of its own."""
     dispatcher = _instances.dispatcher_of(original)
-    if dispatcher is None or not hasattr(duplicate, _compat.COMPILED_INNER):
+    if dispatcher is None or not hasattr(duplicate, _compat.modules.COMPILED_INNER):
         return
     with guard(f"weaving a copy of {type(dispatcher.target).__name__}"):
         _Dispatcher.attach_to_optimized(duplicate, dict(dispatcher.compile_kwargs))

@@ -116,7 +116,7 @@ def apply_torch(settings: Settings) -> None:
     """Wrap ``torch.compile`` and ``torch.nn.Module.compile`` (unless switched off)."""
     from autoweave import _compat
 
-    _compat.check_torch_version(untested=settings.untested_torch)
+    _compat.version.check_torch_version(untested=settings.untested_torch)
     import torch
 
     from autoweave.dispatch import routes, tree_watch
@@ -181,4 +181,4 @@ def original(name: str) -> Any:
         return torch.nn.Module.__dict__["compile"]
     from autoweave import _compat
 
-    return _compat.checkpoint_wrapper_module().checkpoint_wrapper
+    return _compat.modules.checkpoint_wrapper_module().checkpoint_wrapper

@@ -68,7 +68,9 @@ def route_module_compile(wrapped: Callable[..., Any], instance: Any, args: tuple
     _make_decorated_checkpoints_traceable(instance)
     # What nn.Module.compile does, done now and outside any guard: torch's
     # errors (a bad backend, conflicting options) raise at .compile(), as without us.
-    plain = _compile_function(_compat.call_impl(instance), **report.plain_kwargs(instance, compile_kwargs))
+    plain = _compile_function(
+        _compat.modules.call_impl(instance), **report.plain_kwargs(instance, compile_kwargs)
+    )
     with guard(f"preparing the weave for {type(instance).__name__}") as failed:
         dispatcher = _Dispatcher.attach_in_place(instance, compile_kwargs, plain)
         wrapper = _wrapper_of(instance)
@@ -78,7 +80,7 @@ def route_module_compile(wrapped: Callable[..., Any], instance: Any, args: tuple
             # outside the compile as checkpoint_wrapper(torch.compile(block)).
             _gate_outer_ac(dispatcher, wrapper)
     if failed:
-        _compat.set_compiled_call(instance, plain)
+        _compat.modules.set_compiled_call(instance, plain)
     return None
 
 
@@ -115,7 +117,10 @@ def _wrapper_of(block: nn.Module) -> nn.Module | None:
     """The checkpoint wrapper that still wraps ``block`` (None: none, or it was unwrapped since)."""
     ref = _wrappers.get(block)
     wrapper = ref() if ref is not None else None
-    if wrapper is None or _compat.children_of(wrapper).get(_compat.CHECKPOINT_WRAPPED) is not block:
+    if (
+        wrapper is None
+        or _compat.modules.children_of(wrapper).get(_compat.modules.CHECKPOINT_WRAPPED) is not block
+    ):
         return None
     return wrapper
 
@@ -142,13 +147,13 @@ def _gate_outer_ac(dispatcher: _Dispatcher, wrapper: nn.Module) -> None:
         wrapper = wrapper_ref()
         dispatcher.ensure_decided()
         if dispatcher.skip_outer_checkpoint:
-            return _compat.checkpoint_wrapped(wrapper)(*args, **kwargs)
+            return _compat.modules.checkpoint_wrapped(wrapper)(*args, **kwargs)
         return wrapper_forward(wrapper, *args, **kwargs)
 
     # An outer compile over the wrapper traces the wrapper's own forward, as plain torch
-    # would, never the gate (see ``_compat.outside_dynamo``). That stand-in holds the
+    # would, never the gate (see ``_compat.dynamo.outside_dynamo``). That stand-in holds the
     # wrapper, so ``_gates`` holds the gate weakly: its values must not keep a key alive.
-    forward = _compat.outside_dynamo(gate, traced_as=wrapper_forward.__get__(wrapper))
+    forward = _compat.dynamo.outside_dynamo(gate, traced_as=wrapper_forward.__get__(wrapper))
     previous = _instances.install_forward(wrapper, forward)
     with _gates_lock:
         _gates[wrapper] = (dispatcher, weakref.ref(forward), previous)

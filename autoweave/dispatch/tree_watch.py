@@ -55,7 +55,7 @@ def _on_registration(module: Any, name: str, submodule: Any) -> None:
     # rest is never traced (see the module docstring).
     if _is_compiling():
         return
-    if module in run.watched and _compat.children_of(module).get(name) is not submodule:
+    if module in run.watched and _compat.modules.children_of(module).get(name) is not submodule:
         bump()
 
 
@@ -91,7 +91,7 @@ def _nothing(*args: Any) -> None:
 # _on_hook and _on_removal, never traced or converted by dynamo (install): a registration
 # a compile traces (transformers' output hooks, in the first forward) compiles as in plain
 # torch. Dynamo breaks inside torch's ``register_*_hook`` and runs the call eager; the
-# frames of autoweave's that call runs are not converted (``_compat.outside_dynamo``,
+# frames of autoweave's that call runs are not converted (``_compat.dynamo.outside_dynamo``,
 # ``skip_own_frame``), which added frames to that compile.
 _note_hook: Callable[[Any, Any, Any], None] = _on_hook
 _note_removal: Callable[[Callable[[], Any]], None] = _on_removal
@@ -110,7 +110,7 @@ def _watch_hooks(original: Any, on: list[bool]) -> Any:
             _note_hook(self, hook, handle)
         return handle
 
-    _compat.skip_own_frame(register)
+    _compat.dynamo.skip_own_frame(register)
     return register
 
 
@@ -120,9 +120,9 @@ def install() -> None:
     import torch
 
     _is_compiling = torch.compiler.is_compiling
-    _note_hook = _compat.outside_dynamo(_on_hook, traced_as=_nothing)
-    _note_removal = _compat.outside_dynamo(_on_removal, traced_as=_nothing)
-    _compat.skip_own_frame(_removed)
+    _note_hook = _compat.dynamo.outside_dynamo(_on_hook, traced_as=_nothing)
+    _note_removal = _compat.dynamo.outside_dynamo(_on_removal, traced_as=_nothing)
+    _compat.dynamo.skip_own_frame(_removed)
     _installs.install("module registration hook (tree changes)", _add_registration_hook)
     for name in _HOOK_METHODS:
         if name in vars(torch.nn.Module):
@@ -132,13 +132,13 @@ def install() -> None:
             )
     # FSDP2 loads when the user imports it, not with torch: hook its module
     # (at once if it is already imported) rather than import it here.
-    for name in _compat.FSDP2_STATE_MODULES:
+    for name in _compat.modules.FSDP2_STATE_MODULES:
         _installs.install(f"import hook on {name} (fully_shard watch)", lambda name=name: _hook_import(name))
     bump()
 
 
 def _add_registration_hook() -> Callable[[], None] | None:
-    handle = _compat.register_module_registration_hook(_on_registration)
+    handle = _compat.modules.register_module_registration_hook(_on_registration)
     if handle is None:
         return None
 

@@ -44,7 +44,7 @@ def listen(start: Callback | None = None, end: Callback | None = None) -> Undo:
         _listening.extend(added)
 
     def attach(_module: Any = None) -> None:
-        handler = _compat.compile_callbacks()
+        handler = _compat.dynamo.compile_callbacks()
         if handler is None:
             return
         with _lock:
@@ -53,11 +53,15 @@ def listen(start: Callback | None = None, end: Callback | None = None) -> Undo:
                     _register(handler, *entry)
         _installs.install(KEEP, lambda: _keep_across_resets(handler))
 
-    _importhook.register(_compat.COMPILE_CALLBACKS_MODULE, attach)
+    _importhook.register(_compat.dynamo.COMPILE_CALLBACKS_MODULE, attach)
 
     def undo() -> None:
-        _importhook.unregister(_compat.COMPILE_CALLBACKS_MODULE, attach)
-        handler = _compat.compile_callbacks() if _compat.COMPILE_CALLBACKS_MODULE in sys.modules else None
+        _importhook.unregister(_compat.dynamo.COMPILE_CALLBACKS_MODULE, attach)
+        handler = (
+            _compat.dynamo.compile_callbacks()
+            if _compat.dynamo.COMPILE_CALLBACKS_MODULE in sys.modules
+            else None
+        )
         with _lock:
             for entry in added:
                 if entry in _listening:

@@ -65,7 +65,7 @@ class Capture:
 
     def backend(self, inner: str | Callable[..., Any] = "aot_eager") -> Callable[..., Any]:
         """A dynamo backend that records each graph, then compiles it with ``inner`` (tests, benchmarks)."""
-        compile_inner = _compat.lookup_backend(inner) if isinstance(inner, str) else inner
+        compile_inner = _compat.backends.lookup_backend(inner) if isinstance(inner, str) else inner
 
         def counting(gm: Any, example_inputs: Any) -> Any:
             ops = ops_in(gm)  # before the backend, which may rewrite the graph
@@ -181,7 +181,7 @@ def autograd_mark() -> int | None:
 
     if not torch.is_grad_enabled():
         return None
-    following = _compat.next_autograd_sequence_nr()
+    following = _compat.checkpoints.next_autograd_sequence_nr()
     return None if following is None else following - 1
 
 
@@ -210,7 +210,7 @@ def autograd_gemms(outputs: Any, since: int) -> AutogradGemms | None:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        number = _compat.autograd_sequence_nr(node)
+        number = _compat.checkpoints.autograd_sequence_nr(node)
         if number is None:
             return None
         if number <= since:

@@ -40,7 +40,7 @@ def on_ac_kept(dispatcher: Any) -> None:
 
 def _measuring(key: int) -> Callable[[], Callable[[Any], None] | None]:
     def before() -> Callable[[Any], None] | None:
-        stance = _compat.eager_stance()
+        stance = _compat.dynamo.eager_stance()
         if stance is not None:  # runs eager by the user's choice: the next call is measured
             report.record_unmeasured(key, stance)
             return None

@@ -29,7 +29,7 @@ from autoweave.weave.region_backend import CompiledGraph, graph_name, ops_in
 # -- counting what compiled -----------------------------------------------------------------
 
 
-class _CountingPlain(_compat.BackendWrapper):
+class _CountingPlain(_compat.backends.BackendWrapper):
     """A plain compile's backend while reporting (a woven region's tells the report itself).
 
     One wrapper per compile, so the counts go to its label; yet two compare equal
@@ -155,7 +155,7 @@ def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     except TypeError:
         return kwargs
     try:
-        return _compat.wrap_backend(kwargs, lambda inner: _CountingPlain(stats, label, inner))
+        return _compat.backends.wrap_backend(kwargs, lambda inner: _CountingPlain(stats, label, inner))
     except Exception as exc:  # AOTInductor options, a torch without the wrappers
         logger.debug("report: not counting %s (%s)", label, exc)
         return kwargs

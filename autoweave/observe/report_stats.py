@@ -126,7 +126,7 @@ class _Stats:
         # shared class forward): compiled by the region's backend, counted under it.
         region = None
         if trigger == "DYNAMO":
-            code, backend = _compat.compile_in_progress()
+            code, backend = _compat.dynamo.compile_in_progress()
             region = self._region_of(code) or self._region_of_backend(backend)
         with self._lock:
             self._open.append((time.perf_counter(), [] if region is None else [region], recompile))
@@ -153,12 +153,12 @@ class _Stats:
         """The woven region whose code (or a resume function of it) ``code`` is; None if none."""
         if code is None:
             return None
-        region = self.regions.get(_compat.resumed_name(code.co_name))
+        region = self.regions.get(_compat.dynamo.resumed_name(code.co_name))
         return region if region is not None and region.kind == "woven" else None
 
     def _region_of_backend(self, backend: Any) -> RegionStats | None:
         """The region whose backend (a woven region's, or a plain compile's counting one) ``backend`` is."""
-        for within in _compat.backends_within(backend):
+        for within in _compat.dynamo.backends_within(backend):
             if isinstance(within, RegionBackend):
                 return self.region(within.label, "woven")
             label = getattr(within, "report_label", None)
@@ -197,14 +197,14 @@ class _Stats:
         """Did this process compile, plan or see a fallback? If not, it has nothing to report."""
         if self.compiles or self.regions or self.fallbacks.count or summary.entries():
             return True
-        return bool(_compat.dynamo_counters().get("stats", {}).get("unique_graphs"))
+        return bool(_compat.dynamo.dynamo_counters().get("stats", {}).get("unique_graphs"))
 
     def snapshot(self) -> dict[str, Any]:
         import torch
 
         from autoweave import _settings, _version
 
-        counters = _compat.dynamo_counters()
+        counters = _compat.dynamo.dynamo_counters()
         stats = dict(counters.get("stats", {}))
         breaks = Counter(dict(counters.get("graph_break", {})))
         # A plain compile whose module was re-planned woven after its first call

@@ -34,7 +34,7 @@ from autoweave._state import run
 from autoweave.planning import sources, strategies
 from autoweave.planning.plans import Action, Plan
 
-_WRAPPER_SEGMENTS = re.compile(r"(^|\.)(" + "|".join(_compat.WRAPPED_CHILD_ATTRS) + r")(?=\.|$)")
+_WRAPPER_SEGMENTS = re.compile(r"(^|\.)(" + "|".join(_compat.modules.WRAPPED_CHILD_ATTRS) + r")(?=\.|$)")
 
 _VERBS = {
     Action.PLAIN: "plain torch.compile",
@@ -248,7 +248,7 @@ def format_summary(entries: list[Entry], *, covers: str = "") -> str:
 def inner_type(module: Any) -> str:
     """The user's module type under compile / checkpoint / FSDP1 wrappers."""
     for _ in range(8):
-        inner = _compat.wrapped_child(module)
+        inner = _compat.modules.wrapped_child(module)
         if inner is None:
             break
         module = inner

@@ -85,4 +85,4 @@ def _drop_torch_handlers(internal: object, own: _log.LoggerEdit) -> None:
 def _internal() -> object | None:
     from autoweave import _compat
 
-    return _compat.torch_logging_internal()
+    return _compat.dynamo.torch_logging_internal()

@@ -96,7 +96,7 @@ def emit_region(label: str, *, code_name: str) -> None:
 
 def region_label(code_name: str) -> str | None:
     """The woven region a code object belongs to (resume functions included), or None."""
-    code_name = _compat.resumed_name(code_name)
+    code_name = _compat.dynamo.resumed_name(code_name)
     with _lock:
         return code_name if code_name in run.trace_regions else None
 
@@ -104,7 +104,7 @@ def region_label(code_name: str) -> str | None:
 def _on_compile_start(args: Any = None, *_: Any) -> None:
     # Runs inside dynamo's compile context: trace_structured attaches its compile id.
     with guard("writing a region to the structured trace", quiet=True):
-        code = _compat.code_being_compiled()
+        code = _compat.dynamo.code_being_compiled()
         label = region_label(code.co_name) if code is not None else None
         if label is not None:
             emit_region(label, code_name=code.co_name)
@@ -119,4 +119,4 @@ def _add_callback() -> Callable[[], None] | None:
 
 
 def _emit(name: str, payload: dict[str, Any]) -> None:
-    _compat.trace_structured(name, payload)
+    _compat.dynamo.trace_structured(name, payload)

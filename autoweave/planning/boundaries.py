@@ -52,9 +52,9 @@ def unregister_boundary(predicate: Predicate) -> None:
 
 
 def _hooks_disabled(module: nn.Module) -> bool:
-    for hooks in _compat.forward_hook_dicts(module):
+    for hooks in _compat.modules.forward_hook_dicts(module):
         for hook in hooks.values():
-            if _compat.dynamo_disabled(hook):
+            if _compat.dynamo.dynamo_disabled(hook):
                 return True
     return False
 
@@ -76,7 +76,7 @@ def user_forward(module: nn.Module) -> Any:
 
 def forward_disabled(module: nn.Module) -> bool:
     """True when the user disabled compile for this module's forward."""
-    return _compat.dynamo_disabled(user_forward(module))
+    return _compat.dynamo.dynamo_disabled(user_forward(module))
 
 
 def classify(module: nn.Module) -> str | None:
@@ -84,10 +84,10 @@ def classify(module: nn.Module) -> str | None:
     mark = getattr(module, MARK, None)
     if mark:
         return mark if isinstance(mark, str) else "marked with autoweave.boundary()"
-    fsdp2 = _compat.fsdp2_module()
+    fsdp2 = _compat.modules.fsdp2_module()
     if fsdp2 is not None and isinstance(module, fsdp2):
         return "FSDP unit (fully_shard)"
-    fsdp1 = _compat.fsdp1_module()
+    fsdp1 = _compat.modules.fsdp1_module()
     if fsdp1 is not None and isinstance(module, fsdp1):
         return "FSDP1 unit (FullyShardedDataParallel)"
     if forward_disabled(module):

@@ -65,7 +65,7 @@ def _instance_attribute(owner: Any, name: str) -> Any:
     found = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
     if found is not _MISSING:
         return found
-    for store in _compat.MODULE_STORES:
+    for store in _compat.modules.MODULE_STORES:
         found = owner.__dict__.get(store, {}).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
         if found is not _MISSING:
             return found

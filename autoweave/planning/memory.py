@@ -159,8 +159,8 @@ def _captured_value(value: Any, depth: int) -> Any:
 
 def kind(wrapper: Any) -> tuple | None:
     """Blocks of one kind hold the same for backward: same code, parameter shapes and checkpoint."""
-    inner = _compat.children_of(wrapper).get(_compat.CHECKPOINT_WRAPPED)
+    inner = _compat.modules.children_of(wrapper).get(_compat.modules.CHECKPOINT_WRAPPED)
     if inner is None:
         return None
     shapes = tuple((name, tuple(p.shape), p.dtype) for name, p in inner.named_parameters())
-    return (type(inner), shapes, identity(_compat.checkpoint_fn(wrapper)))
+    return (type(inner), shapes, identity(_compat.modules.checkpoint_fn(wrapper)))

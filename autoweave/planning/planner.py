@@ -192,8 +192,10 @@ class _Planner:
         opaque: bool,
         unit: str | None = None,
     ) -> None:
-        inner_path = f"{path}.{_compat.CHECKPOINT_WRAPPED}" if path else _compat.CHECKPOINT_WRAPPED
-        inner = _compat.checkpoint_wrapped(module)
+        inner_path = (
+            f"{path}.{_compat.modules.CHECKPOINT_WRAPPED}" if path else _compat.modules.CHECKPOINT_WRAPPED
+        )
+        inner = _compat.modules.checkpoint_wrapped(module)
         where = "kept out of the enclosing region, " if opaque else ""
         if unit is not None:
             where = f"{unit}, hooks eager; {where}"

@@ -76,7 +76,7 @@ def _code_of(fn: Any) -> Any:
 def _user_module(module: Any) -> Any:
     # Look through torch's wrappers (checkpoint, FSDP1, compile) to the user's module.
     for _ in range(8):
-        inner = _compat.wrapped_child(module)
+        inner = _compat.modules.wrapped_child(module)
         if inner is None:
             return module
         module = inner
@@ -140,7 +140,7 @@ def _user_parent(root: Any, path: str) -> tuple[Any, str] | None:
     parts = path.split(".")
     for cut in range(len(parts) - 1, -1, -1):
         name = parts[cut]
-        if name in _compat.WRAPPED_CHILD_ATTRS:
+        if name in _compat.modules.WRAPPED_CHILD_ATTRS:
             continue
         parent = root.get_submodule(".".join(parts[:cut])) if cut else root
         return parent, name

@@ -41,7 +41,7 @@ def context_fn_of(module: Any) -> Any:
 
 def known_traceable(context_fn: Any) -> bool:
     """A ``functools.partial`` of torch's own factory: two dispatch modes, without calling it."""
-    factory = _compat.selective_contexts_factory()
+    factory = _compat.checkpoints.selective_contexts_factory()
     return factory is not None and getattr(context_fn, "func", None) is factory
 
 
@@ -54,7 +54,7 @@ def why_not_traceable(context_fn: Any, contexts: Any) -> str | None:
     name = getattr(context_fn, "__qualname__", None) or _describe(context_fn)
     if not (isinstance(contexts, tuple) and len(contexts) == 2):
         return f"its context_fn ({name}) returns {_describe(contexts)}, not a pair of contexts"
-    if all(_compat.is_dispatch_mode(c) for c in contexts):
+    if all(_compat.checkpoints.is_dispatch_mode(c) for c in contexts):
         return None
     kinds = " and ".join(_describe(c) for c in contexts)
     return (

@@ -23,8 +23,8 @@ Classifier = Callable[[nn.Module], "str | None"]
 def checkpoint_spec(module: nn.Module) -> CheckpointSpec | None:
     """The AC a CheckpointWrapper applies, or ``None`` for any other module."""
     try:
-        wrapper_cls = _compat.checkpoint_wrapper_class()
-    except _compat.UnsupportedTorch:
+        wrapper_cls = _compat.modules.checkpoint_wrapper_class()
+    except _compat.lookup.UnsupportedTorch:
         return None
     if not isinstance(module, wrapper_cls):
         return None
@@ -50,11 +50,11 @@ def _short(value: Any) -> str:
 def unwrap(module: nn.Module) -> nn.Module:
     """See through an OptimizedModule (``_orig_mod``) to the module it compiles."""
     try:
-        optimized = _compat.optimized_module()
-    except _compat.UnsupportedTorch:
+        optimized = _compat.modules.optimized_module()
+    except _compat.lookup.UnsupportedTorch:
         return module
     while isinstance(module, optimized):
-        module = _compat.compiled_inner(module)
+        module = _compat.modules.compiled_inner(module)
     return module
 
 

@@ -45,7 +45,7 @@ def _backend_kwargs(
     """
     try:
         region_kw = region_kwargs(kwargs, label, pieces_fn)
-    except _compat.UnsupportedTorch as exc:
+    except _compat.lookup.UnsupportedTorch as exc:
         if pieces_fn is not None:
             raise
         logger.debug("region %s: compiled as asked, its graphs not guarded (%s)", label, exc)
@@ -154,7 +154,7 @@ _UNIFORM_HOOK_MODULES = ("torch.distributed", "autoweave")
 def hooks_key(module: nn.Module) -> tuple:
     """``module``'s own hooks as its region key holds them (FSDP's and autoweave's left out)."""
     key = []
-    for store, hooks in _compat.hooks_of(module):  # most modules have none: the walk reads every one
+    for store, hooks in _compat.modules.hooks_of(module):  # most modules have none: the walk reads every one
         own = tuple(_hook_identity(hook) for hook in hooks if not uniform_hook(hook))
         if own:
             key.append((store, own))
@@ -164,7 +164,7 @@ def hooks_key(module: nn.Module) -> tuple:
 def _hook_identity(hook: Any) -> Any:
     # ``torch.compiler.disable(f)`` makes a new wrapper per call: hooks disabled per
     # block over one function are the same hook (the wrapper adds no state of its own).
-    original = _compat.disabled_original(hook)
+    original = _compat.dynamo.disabled_original(hook)
     if original is not None:
         return ("dynamo-disabled", _hook_identity(original))
     return memory.identity(hook)
@@ -198,7 +198,7 @@ class Applied:
         if self.reverted:
             return  # the kind moving a block whose plan was undone: it stays as the user built it
         # An opaque block stays out of an enclosing trace (see ``apply_plan``).
-        self._set_forward(module, _compat.disable(forward, recursive=True) if opaque else forward)
+        self._set_forward(module, _compat.dynamo.disable(forward, recursive=True) if opaque else forward)
         self.regions[path] = label
 
     def installer(self, path: str, opaque: bool) -> Install:
@@ -237,15 +237,15 @@ def _without_checkpoint(wrapper: nn.Module) -> Callable[..., Any]:
     """
     import torch
 
-    inner = _compat.checkpoint_wrapped(wrapper)
+    inner = _compat.modules.checkpoint_wrapped(wrapper)
 
     def eager(*args: Any, **kwargs: Any) -> Any:
         with torch.compiler.set_stance("force_eager"):
             return inner(*args, **kwargs)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if _compat.eager_stance() == "force_eager":
-            return _compat.checkpoint_fn(wrapper)(eager, *args, **kwargs)
+        if _compat.dynamo.eager_stance() == "force_eager":
+            return _compat.modules.checkpoint_fn(wrapper)(eager, *args, **kwargs)
         return inner(*args, **kwargs)
 
     return forward
@@ -296,8 +296,10 @@ def _region_forward(
             region_kw, backend = _backend_kwargs(kwargs, label, pieces_fn)
         _pieces_of_region(backend, pieces)
         region = _private_region(own, checkpoint_fn, label)
-        return _compat.lookups_in_order(
-            compile_fn(region, **region_kw), _compat.as_recompute_sees, **_at_limit(region, label, region_kw)
+        return _compat.dynamo.lookups_in_order(
+            compile_fn(region, **region_kw),
+            _compat.checkpoints.as_recompute_sees,
+            **_at_limit(region, label, region_kw),
         ), label
     # One compiled region, and one backend, per kind: identical blocks share both,
     # until dynamo guards on a number that differs between them (``shared_kinds``).
@@ -339,9 +341,9 @@ def _build_kind_region(
         region = _shared_region(forward, checkpoint_fn, label)
     # A recompute must run the graph its forward ran (``lookups_in_order``), from inputs that
     # meet the same guards (``as_recompute_sees``), and at the recompile limit the same code.
-    compiled = _compat.lookups_in_order(
+    compiled = _compat.dynamo.lookups_in_order(
         compile_fn(region, **region_kw),
-        _compat.as_recompute_sees,
+        _compat.checkpoints.as_recompute_sees,
         **_at_limit(region, label, region_kw),
         converted=converted,
     )
@@ -387,7 +389,7 @@ def _run_wrappers_eagerly(region: Callable[..., Any]) -> Callable[..., Any]:
         if not copied:
             return first or fn
         if wrappers.passes_call_on(fn):
-            _compat.skip_own_frame(fn)
+            _compat.dynamo.skip_own_frame(fn)
         else:
             first = first or fn
         fn = wrapped
@@ -427,11 +429,11 @@ def _measuring_first_call(
 
     def final() -> Callable[..., Any]:
         forward = _without_checkpoint(module)
-        return _compat.disable(forward, recursive=True) if decision.opaque else forward
+        return _compat.dynamo.disable(forward, recursive=True) if decision.opaque else forward
 
     def done(verdict: memory.Verdict | None) -> None:
         # Said under the block's own region (the inner module), else under the first piece's.
-        inner = applied.regions.get(f"{decision.path}.{_compat.CHECKPOINT_WRAPPED}".lstrip("."))
+        inner = applied.regions.get(f"{decision.path}.{_compat.modules.CHECKPOINT_WRAPPED}".lstrip("."))
         backend = next((p for p in pieces if p.label == inner), pieces[0] if pieces else None)
         if backend is not None:
             if verdict is None:
@@ -501,7 +503,7 @@ def apply_plan(
                 # Keep this checkpointed module out of the enclosing region's
                 # trace: dynamo breaks the graph here instead of giving up on
                 # the checkpoint. Regions below still compile on their own.
-                forward = _compat.disable(forward or user_forward(module), recursive=True)
+                forward = _compat.dynamo.disable(forward or user_forward(module), recursive=True)
             if forward is not None:
                 applied._set_forward(module, forward)
         applied.at_limit = _at_recompile_limit(applied, pieces_blocks, on_ac_kept)

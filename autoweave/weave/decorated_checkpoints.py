@@ -30,7 +30,7 @@ from autoweave._log import logger
 
 def decorated_forward(module: nn.Module) -> Any:
     """The ``_CheckpointedFunction`` that is ``module``'s forward (instance or class), or None."""
-    cls = _compat.checkpointed_function_class()
+    cls = _compat.checkpoints.checkpointed_function_class()
     if cls is None:
         return None
     own = module.__dict__.get("forward")

@@ -102,7 +102,9 @@ class SavedBytes:
         self._hooks: Any = None
 
     def _pack(self, tensor: Any) -> Any:
-        if not _compat.is_fake(tensor):  # a trace that runs meanwhile (dynamo's, a piece's inspection)
+        if not _compat.checkpoints.is_fake(
+            tensor
+        ):  # a trace that runs meanwhile (dynamo's, a piece's inspection)
             self.count += 1
             self._storages.add(tensor)
         return tensor
@@ -126,7 +128,8 @@ class SavedBytes:
         # would compile the hook there, on every call (its storage pointers break the graph),
         # until the recompile limit: NeMo's selective AC showed 23 recompiles against hoist's 2.
         self._hooks = torch.autograd.graph.saved_tensors_hooks(
-            _compat.disable(self._pack, recursive=True), _compat.disable(self._unpack, recursive=True)
+            _compat.dynamo.disable(self._pack, recursive=True),
+            _compat.dynamo.disable(self._unpack, recursive=True),
         )
         self._hooks.__enter__()
         return self
@@ -172,7 +175,7 @@ class FirstCall:
         if self.finished or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return self.forward(*args, **kwargs)
         self.finished = True
-        if _compat.saved_tensors_hooks_active():
+        if _compat.checkpoints.saved_tensors_hooks_active():
             # The user's hooks (offloading, say) or an eager checkpoint around the
             # call: ours would shadow them. Not measured; pieces stay.
             out = self.forward(*args, **kwargs)

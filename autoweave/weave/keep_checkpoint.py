@@ -126,4 +126,4 @@ def _checkpointed(wrapper: Any, previous: Any) -> Callable[..., Any]:
 
     # Recursive: the block's own code, whose frames are past the limit, runs eager
     # inside. A region compiled elsewhere and called from it still runs compiled.
-    return _compat.disable(forward, recursive=True)
+    return _compat.dynamo.disable(forward, recursive=True)

@@ -78,7 +78,7 @@ def _static(value: Any) -> Any:
     """``value``'s size (or a size-like scalar) as a plain number, read from its hint: never guarded on."""
     if isinstance(value, (int, float, bool)) or not hasattr(value, "node"):
         return value
-    hint = _compat.size_hint(value)
+    hint = _compat.checkpoints.size_hint(value)
     if hint is None:
         raise _NoHint(str(value))
     return hint
@@ -144,7 +144,7 @@ def changed_inputs_backward_needs(gm: Any, example_inputs: Any) -> list[int] | N
     import torch
     import torch.fx as fx
 
-    mode = _compat.fake_tensor_mode()
+    mode = _compat.checkpoints.fake_tensor_mode()
     graded: set[int] = set()  # ids of fake results that depend on an input requiring grad
     read_for_grad: set[Any] = set()  # storages read by an op whose result does
 
@@ -155,7 +155,7 @@ def changed_inputs_backward_needs(gm: Any, example_inputs: Any) -> list[int] | N
                 args = _tensors(self.fetch_args_kwargs_from_env(node))
                 if any(id(t) in graded for t in args):
                     graded.update(id(t) for t in _tensors(out))
-                    read_for_grad.update(_compat.storage_key(t) for t in args)
+                    read_for_grad.update(_compat.checkpoints.storage_key(t) for t in args)
             return out
 
     try:
@@ -177,7 +177,7 @@ def changed_inputs_backward_needs(gm: Any, example_inputs: Any) -> list[int] | N
         for i, (copy, version) in enumerate(zip(copies, versions, strict=True))
         if version is not None
         and copy._version != version
-        and (id(copy) in needs_grad or _compat.storage_key(copy) in read_for_grad)
+        and (id(copy) in needs_grad or _compat.checkpoints.storage_key(copy) in read_for_grad)
     ]
 
 
@@ -196,9 +196,9 @@ def _fresh_bytes(op: Any, output: Any) -> int | None:
     total = 0
     for index, value in enumerate(outputs):
         for tensor in _tensors(value):
-            if not _compat.returns_fresh_storage(op, index):
+            if not _compat.checkpoints.returns_fresh_storage(op, index):
                 continue
-            numel = _compat.size_hint(tensor.numel())
+            numel = _compat.checkpoints.size_hint(tensor.numel())
             if numel is None:
                 return None
             total += numel * tensor.element_size()
@@ -255,7 +255,7 @@ class CheckpointPieces:
         del self._raised[:]
         try:
             return inner(self.wrap(gm), example_inputs)
-        except _compat.backend_errors_dynamo_handles():
+        except _compat.conversion.backend_errors_dynamo_handles():
             # A restart (a float made a tensor, say), a skip, a user's dim error: dynamo acts on
             # it as it does for plain torch's backend; swallowed, the piece would run eager.
             raise
@@ -331,7 +331,9 @@ class CheckpointPieces:
             # A new trace of this graph: count its saves afresh. Not torch's SAC
             # contexts: what they keep is unknown.
             slot[0] = (
-                0 if _compat.observe_sac_policy(contexts, functools.partial(self._observed, slot)) else None
+                0
+                if _compat.checkpoints.observe_sac_policy(contexts, functools.partial(self._observed, slot))
+                else None
             )
             return contexts
 
@@ -368,10 +370,10 @@ class CheckpointPieces:
         import torch.fx as fx
         import torch.nn as nn
 
-        hop = _compat.tag_activation_checkpoint()
+        hop = _compat.checkpoints.tag_activation_checkpoint()
         if self.context_fn is not None:
             # Read by the operator's implementation when it is traced.
-            gm.meta[_compat.CHECKPOINT_CONTEXT_FN_KEY] = self._traced_context_fn()
+            gm.meta[_compat.checkpoints.CHECKPOINT_CONTEXT_FN_KEY] = self._traced_context_fn()
         root = nn.Module()
         root.piece = gm
         graph = fx.Graph()

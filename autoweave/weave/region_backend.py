@@ -96,7 +96,7 @@ def observe_graphs(observer: GraphObserver) -> Callable[[], None]:
     return undo
 
 
-class RegionBackend(_compat.ForwardsToInner):
+class RegionBackend(_compat.backends.ForwardsToInner):
     """The backend of one kind of woven region (see the module docstring)."""
 
     def __init__(self, inner: Callable[..., Any], label: str, checkpoint_fn: Any = None) -> None:
@@ -152,7 +152,7 @@ class RegionBackend(_compat.ForwardsToInner):
             if self.pieces is not None:
                 return self.pieces.compile(gm, example_inputs, self.inner)
             return self.inner(gm, example_inputs)
-        except _compat.backend_errors_dynamo_handles():
+        except _compat.conversion.backend_errors_dynamo_handles():
             raise  # a restart, a skip, a graph break, a dim error of the user's: dynamo's to act on
         except Exception as exc:
             why = first_line(exc)
@@ -182,8 +182,8 @@ def region_kwargs(kwargs: dict[str, Any], label: str, checkpoint_fn: Any = None)
     """``torch.compile`` kwargs that compile as ``kwargs`` asks, through a new ``RegionBackend``.
 
     ``backend``, ``mode`` and ``options`` become the one callable torch would
-    build from them, held by the region's backend (``_compat.wrap_backend``).
-    Raises ``_compat.UnsupportedTorch`` where that callable cannot be rebuilt
+    build from them, held by the region's backend (``_compat.backends.wrap_backend``).
+    Raises ``_compat.lookup.UnsupportedTorch`` where that callable cannot be rebuilt
     (AOTInductor options).
     """
-    return _compat.wrap_backend(kwargs, lambda inner: RegionBackend(inner, label, checkpoint_fn))
+    return _compat.backends.wrap_backend(kwargs, lambda inner: RegionBackend(inner, label, checkpoint_fn))

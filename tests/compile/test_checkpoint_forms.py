@@ -36,7 +36,8 @@ BACKEND = "aot_eager"
 DIM = 64
 
 decorator_form = pytest.mark.skipif(
-    _compat.checkpointed_function_class() is None, reason="checkpoint's decorator form is torch 2.15+"
+    _compat.checkpoints.checkpointed_function_class() is None,
+    reason="checkpoint's decorator form is torch 2.15+",
 )
 
 
@@ -76,7 +77,7 @@ class Block(nn.Module):
         return h + self.out(torch.relu(self.experts(h)))
 
 
-if _compat.checkpointed_function_class() is not None:
+if _compat.checkpoints.checkpointed_function_class() is not None:
 
     class FullAC(Block):
         forward = checkpoint(use_reentrant=False)(Block.body)

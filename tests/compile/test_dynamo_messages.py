@@ -64,7 +64,7 @@ def test_a_checkpoint_with_a_graph_break_falls_back_and_says_where() -> None:
     with _taps.listening(Fallback, fallbacks.append), _taps.listening(FallbackBreak, breaks.append):
         model(x).sum().backward()
     assert fallbacks, "dynamo's 'will fall back to eager-mode PyTorch' message was not read"
-    assert all(_compat.FALLBACK_NEEDLE in f.text for f in fallbacks)
+    assert all(_compat.log_strings.FALLBACK_NEEDLE in f.text for f in fallbacks)
     assert breaks, "the break dynamo logs after a fallback (with its user stack) was not read"
     where = sources.break_frames(breaks[0])
     assert where and (where[0].filename, where[0].lineno) == (
@@ -100,7 +100,10 @@ def test_the_recompile_limit_warning_names_the_function() -> None:
 
     heard = _heard(RecompileLimit, run)
     assert heard, "dynamo's recompile-limit warning was not read"
-    assert "'specialized'" in heard[0].function and _compat.RECOMPILE_LIMIT_NEEDLE in heard[0].summary
+    assert (
+        "'specialized'" in heard[0].function
+        and _compat.log_strings.RECOMPILE_LIMIT_NEEDLE in heard[0].summary
+    )
     assert heard[0].code_name == "specialized" and heard[0].in_function("specialized")
     assert not heard[0].in_function("special")
 
@@ -135,7 +138,7 @@ def test_a_frame_dynamo_will_not_convert_is_read_with_its_error() -> None:
     compiled = torch.compile(lambda x: x.sin() + 1, backend=failing_backend)
 
     def run() -> None:
-        with _compat.suppressing_errors() as suppressing:
+        with _compat.conversion.suppressing_errors() as suppressing:
             assert suppressing
             compiled(torch.randn(4))
 
@@ -149,7 +152,11 @@ def test_a_frame_dynamo_will_not_convert_is_read_with_its_error() -> None:
 
 
 def test_listening_leaves_dynamo_loggers_as_they_were() -> None:
-    names = (_compat.FALLBACK_LOGGER, _compat.GRAPH_BREAK_LOGGER, _compat.RECOMPILE_LIMIT_LOGGER)
+    names = (
+        _compat.log_strings.FALLBACK_LOGGER,
+        _compat.log_strings.GRAPH_BREAK_LOGGER,
+        _compat.log_strings.RECOMPILE_LIMIT_LOGGER,
+    )
     loggers = [logging.getLogger(name) for name in names]
     taps = [_taps.tap(name) for name in names]
     assert not any(t in log.filters for t, log in zip(taps, loggers, strict=True)), (

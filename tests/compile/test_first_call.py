@@ -185,14 +185,14 @@ def test_a_failure_at_the_first_call_draws_no_extra_random_numbers(capfd):
 
 
 def _resume_of_a_region() -> bool:
-    code = _compat.code_being_compiled()
+    code = _compat.dynamo.code_being_compiled()
     return code is not None and "resume_in_autoweave_" in code.co_name
 
 
 @pytest.fixture
 def failing_conversion():
     """dynamo fails to convert every frame after a break in a woven region, as an internal error would."""
-    callbacks = _compat.compile_callbacks()
+    callbacks = _compat.dynamo.compile_callbacks()
 
     def fail(*_: object) -> None:
         if _resume_of_a_region():

@@ -97,7 +97,7 @@ def _dynamo_meets() -> Iterator[list[Any]]:
         return inline(self)
 
     def on_start(*_: Any) -> None:
-        code = _compat.code_being_compiled()
+        code = _compat.dynamo.code_being_compiled()
         if code is not None:
             seen.append(code)
 

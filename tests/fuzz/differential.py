@@ -69,7 +69,7 @@ class _TorchWarnings(logging.Handler):
 @contextlib.contextmanager
 def _compiles(outcome: Outcome) -> Iterator[Any]:
     """dynamo's compiles while inside: frames by id, recompiles counted (re-registered after resets)."""
-    callbacks = _compat.compile_callbacks()
+    callbacks = _compat.dynamo.compile_callbacks()
 
     def on_start(args: object = None, *_: object) -> None:
         if getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO") != "DYNAMO":

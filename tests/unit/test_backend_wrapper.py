@@ -41,7 +41,7 @@ def test_plain_counting_wrappers_compare_equal_when_their_backends_do() -> None:
     # Per-layer plain compiles of one block share their graphs with the report on (dynamo matches ==).
     stats = report._Stats(None)
     wrapped, again = report._CountingPlain(stats, "a", _backend), report._CountingPlain(stats, "b", _backend)
-    assert isinstance(wrapped, _compat.BackendWrapper)
+    assert isinstance(wrapped, _compat.backends.BackendWrapper)
     assert wrapped == again and hash(wrapped) == hash(again)
 
 

@@ -254,7 +254,7 @@ PRIVATE_TORCH_ATTRS = {
     "_backward_hooks",
 }
 # _autoweave_start names checkpoint_wrapper's private module path as a string: start-up may
-# not import _compat (it costs every process); _compat.CHECKPOINT_WRAPPER_MODULE is the same.
+# not import _compat (it costs every process); _compat.modules.CHECKPOINT_WRAPPER_MODULE is the same.
 _PRIVATE_NAME_EXEMPT = {name for name in ORDER if name.startswith("autoweave._compat")} | {"_autoweave_start"}
 
 
