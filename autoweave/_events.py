@@ -22,6 +22,8 @@ Topics and what each publishes (positional arguments):
 - ``PLAN_RECORDED``: ``(entry,)``, the plan summary recorded a plan (``observe.summary.Entry``).
 - ``AC_KEPT``: ``(dispatcher,)``, a block woven as pieces reached dynamo's recompile limit and
   runs eager under its checkpoint from the next call (``weave.keep_checkpoint``).
+- ``GRAPH_COMPILED``: ``(graph,)``, a woven region's backend compiled (or ran eager) one graph
+  dynamo handed it (``weave.region_backend.CompiledGraph``); published only while someone listens.
 - ``AT_LIMIT``: ``(label,)``, a woven region under an eager checkpoint is at dynamo's recompile
   limit and runs eager the calls none of its graphs fits (``_compat.dynamo.lookups_in_order``).
 """
@@ -41,6 +43,7 @@ WOVEN_AROUND = "woven-around"
 PLAN_RECORDED = "plan-recorded"
 AC_KEPT = "ac-kept"
 AT_LIMIT = "at-limit"
+GRAPH_COMPILED = "graph-compiled"
 
 # The state values a ``MOVED`` listener compares with (``dispatch.dispatchers.State``).
 PLAIN = "plain"
@@ -67,6 +70,11 @@ def subscribe(topic: str, listener: Callable[..., None]) -> Callable[[], None]:
 def unsubscribe(topic: str, listener: Callable[..., None]) -> None:
     with _lock:
         _listeners[topic] = tuple(fn for fn in _listeners.get(topic, ()) if fn != listener)
+
+
+def listened(topic: str) -> bool:
+    """Does anyone listen to ``topic`` (a publisher skips measuring what no one reads)?"""
+    return bool(_listeners.get(topic))
 
 
 def publish(topic: str, *args: Any) -> None:

@@ -12,6 +12,25 @@ forbids is refused in every mode (strict mode raises; otherwise one
 The machine only moves: each move, plan and fallback is published
 (``autoweave._events``) and the observers (the plan summary, the report, the
 structured trace) subscribe; nothing here calls them to notify.
+
+The flow, one hop a line, from the user's compile to the report:
+
+1. ``import torch`` runs ``startup.on_import``: ``dispatch.patches.apply_torch`` wraps
+   ``torch.compile`` and ``nn.Module.compile``; ``observe.subscriptions.install`` subscribes.
+2. ``torch.compile(module)`` reaches ``dispatch.routes.route_compile`` (``module.compile()``:
+   ``route_module_compile``), which attaches a ``_Dispatcher`` (``attach_to_optimized`` /
+   ``attach_in_place``): torch's compiled forward slot now holds its ``call`` (``_make_call``).
+3. The first forward: ``call`` -> ``ensure_decided`` -> ``_decide`` fingerprints the tree and
+   asks the pure planner for a ``Plan`` (``request`` -> ``dispatch.plan_inputs.plan`` ->
+   ``planning.planner.plan``).
+4. ``_apply`` installs it (``weave.apply.apply_plan``: regions, their backends, pieces) and
+   enters TRIAL, or PLAIN (then ``_watched`` runs plain torch.compile's first call).
+5. ``_first_woven_call`` runs the regions' first call once, watching dynamo's fallback
+   (``_watched``; ranks agree through ``dispatch.agreement``), and enters WOVEN.
+6. A fallback seen there re-plans (``_on_hidden_fallback``: LEARNED, applied at the next call).
+7. Each move is an ``_events`` topic: ``observe.summary`` logs the plan summary at the next
+   step, ``observe.report`` and ``observe.measure`` keep the report, ``observe.trace`` writes
+   TORCH_TRACE; ``observe.report_exit`` writes and summarises the report at exit.
 """
 
 from __future__ import annotations
@@ -100,7 +119,7 @@ class _Dispatcher:
         self._generation = -1  # _state.run.generation when the tree was last read
         self._fingerprint: tuple | None = None
         self._called = False
-        self.outer: Callable[[], nn.Module | None] | None = None  # weakref to an enclosing AC wrapper
+        self._outer: Callable[[], nn.Module | None] | None = None  # weakref to an enclosing AC wrapper
         self.skip_outer_checkpoint = False  # the enclosing wrapper's AC moved into the regions
         self._call_traced = True  # torch.compile(module) traces __call__; in-place compile does not
         # What a first-call fallback taught (modules that break, planning options): kept for re-plans.
@@ -244,6 +263,21 @@ class _Dispatcher:
                 return False
             self._decide(fingerprint)
             return True
+
+    def read_tree_again(self) -> None:
+        """Plan again at the next call, as if the tree had changed (a block sharing its code learned a break)."""
+        with self._lock:
+            self._fingerprint = None
+
+    def set_outer(self, wrapper: nn.Module | None) -> None:
+        """The AC wrapper around the compiled module whose checkpoint a plan may move inside (None: none)."""
+        with self._lock:
+            self._outer = weakref.ref(wrapper) if wrapper is not None else None
+
+    @property
+    def outer(self) -> nn.Module | None:
+        """The wrapper ``set_outer`` named (None: none, or it was freed)."""
+        return self._outer() if self._outer is not None else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.call(*args, **kwargs)
@@ -479,7 +513,7 @@ class _Dispatcher:
         return plan_inputs.Request(
             self.target,
             fullgraph=bool(self.compile_kwargs.get("fullgraph")),
-            outer=self.outer() if self.outer is not None else None,
+            outer=self.outer,
             call_traced=self._call_traced,
             taught=MappingProxyType(dict(self._learned if taught is None else taught)),
         )
@@ -536,7 +570,7 @@ class _Dispatcher:
         # fallback is cached for the wrapper's code): each re-plans at its next call.
         for other in list(_run.live):
             if other is not self:
-                other._fingerprint = None
+                other.read_tree_again()
         tree_changes.bump()
         # That cached fallback also answers *other* modules sharing the code whose
         # guards it passes (a dense block behind the same CheckpointWrapper.forward

@@ -139,7 +139,7 @@ def _gate_outer_ac(dispatcher: _Dispatcher, wrapper: nn.Module) -> None:
     plain torch built; a woven block keeps its gate (its plan may have moved the
     wrapper's checkpoint inside, and reverting a weave would recompile mid-training).
     """
-    dispatcher.outer = weakref.ref(wrapper)
+    dispatcher.set_outer(wrapper)
     wrapper_ref = weakref.ref(wrapper)
     wrapper_forward = type(wrapper).forward
 
@@ -179,7 +179,7 @@ def _ungate_unwoven() -> None:
             or wrapper.__dict__.get("forward") is not gate
         ):
             continue  # woven (or about to be): keeps its gate; someone else's forward on top: theirs stays
-        dispatcher.outer = None  # planned from now on without a gate to skip the wrapper's AC
+        dispatcher.set_outer(None)  # planned from now on without a gate to skip the wrapper's AC
         _instances.restore_forward(wrapper, previous)
 
 

@@ -2,7 +2,7 @@
 
 ``start`` installs a collector (``report_stats._Stats``) and ``stop`` takes it
 off and returns its snapshot. While it runs, woven regions' backends tell it
-each graph they compile (``weave.region_backend.observe_graphs``) and plain
+each graph they compile (``_events.GRAPH_COMPILED``) and plain
 compiles are counted by a wrapper (``plain_kwargs``): graphs, ops, compile time,
 recompiles, per region. The collector also listens to
 the dispatchers (``autoweave._events``, wired by ``observe.subscriptions``):

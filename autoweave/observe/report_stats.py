@@ -24,7 +24,7 @@ from autoweave._compat.log_strings import RecompileLimit
 from autoweave._log import rank, world_size
 from autoweave._state import run
 from autoweave.observe import compile_callbacks, counting, graph_breaks, summary
-from autoweave.weave.region_backend import CompiledGraph, RegionBackend, observe_graphs
+from autoweave.weave.region_backend import CompiledGraph, RegionBackend
 
 
 @dataclass
@@ -87,7 +87,7 @@ class _Stats:
         self._unat: Callable[[], None] = lambda: None
 
     def install(self) -> None:
-        self._unobserve = observe_graphs(self.on_graph)
+        self._unobserve = _events.subscribe(_events.GRAPH_COMPILED, self.on_graph)
         self.fallbacks.install()
         graph_breaks.watch_graph_breaks()  # the user's line of each graph break (autoweave/observe/graph_breaks.py)
         self._limits.start()  # dynamo's recompile-limit warnings (any compile, autoweave's or not)

@@ -262,16 +262,6 @@ def _path_in(owner: Any, module: Any) -> str | None:
     return None
 
 
-def qualified_name(target: Any, dispatcher: Any = None, *, frame: Any = None) -> str:
-    """``layers.3``: where ``target`` sits in the model whose forward is calling it now.
-
-    Best effort: walks the calling frames outward; each frame whose ``self`` is a
-    module holding the one found so far extends the name. "" when no caller
-    holds it (a module compiled and called on its own).
-    """
-    return _locate(target, dispatcher, frame or sys._getframe(1))[0]
-
-
 # Wrappers frameworks put around the user's model, and the attribute holding it: not part of
 # the names the user wrote (DDP's ``module.``, as accelerate's and Lightning's DDP paths wrap;
 # Lightning Fabric's ``_forward_module.``). By class name: no framework is imported for it.
@@ -285,7 +275,12 @@ def _without_framework_wrapper(owner: Any, path: str) -> str:
 
 
 def _locate(target: Any, dispatcher: Any, frame: Any) -> tuple[str, Any]:
-    """``qualified_name``, and the outermost module found holding ``target`` (its model; None: none)."""
+    """``layers.3``: where ``target`` sits in the model whose forward calls it now, and that model.
+
+    Best effort: walks the calling frames outward from ``frame``; each frame whose
+    ``self`` is a module holding the one found so far extends the name. ("", None)
+    when no caller holds it (a module compiled and called on its own).
+    """
     import torch.nn as nn
 
     current: Any = None

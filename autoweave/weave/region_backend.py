@@ -13,9 +13,9 @@ the callable torch would have built from the user's ``backend``/``mode``/
 - pieces, when the region's checkpoint moved into it: each graph wrapped in
   torch's checkpoint operator (``pieces.CheckpointPieces``, the helper that
   knows how);
-- telling its observers about each graph (the report subscribes, see
-  ``observe_graphs``): observing hands dynamo the very same backend, so a run
-  with the report on compiles exactly what a run without it does;
+- publishing each graph (``_events.GRAPH_COMPILED``; the report subscribes):
+  observing hands dynamo the very same backend, so a run with the report on
+  compiles exactly what a run without it does;
 - counting the graphs it was handed, compiled or run eager, per region
   (``_state.run.region_graphs``, always: once per graph, never per call), so the
   plan summary says what ran, not only what was planned.
@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from autoweave import _compat
+from autoweave import _compat, _events
 from autoweave._failopen import RAN_EAGER, first_line, runs_eager, swallowed
 from autoweave._log import logger
 from autoweave._state import run
@@ -67,33 +67,13 @@ def graph_name(gm: Any) -> str:
 
 @dataclass(frozen=True)
 class CompiledGraph:
-    """What a region's backend did with one graph dynamo handed it (what observers are told)."""
+    """What a region's backend did with one graph dynamo handed it (``_events.GRAPH_COMPILED``)."""
 
     label: str  # the region's label (shared by identical blocks)
     name: str  # the graph module's name
     ops: int  # its ops as dynamo traced them (``ops_in``), before pieces or the backend touched it
     eager: str | None  # why it runs eager instead of compiled; None: compiled
     seconds: float  # time spent in the backend on it
-
-
-GraphObserver = Callable[[CompiledGraph], None]
-
-# Subscribed by whoever watches compiles (the report, while it collects); every
-# region backend tells each of them, whenever it was built. The subscriber owns
-# the subscription and takes it off (``autoweave._installs``).
-_observers: list[GraphObserver] = []
-
-
-def observe_graphs(observer: GraphObserver) -> Callable[[], None]:
-    """Have ``observer`` told about every graph a woven region compiles; returns its undo."""
-    if observer not in _observers:
-        _observers.append(observer)
-
-    def undo() -> None:
-        if observer in _observers:
-            _observers.remove(observer)
-
-    return undo
 
 
 class RegionBackend(_compat.backends.ForwardsToInner):
@@ -130,15 +110,14 @@ class RegionBackend(_compat.backends.ForwardsToInner):
                 listener()
             except Exception as exc:  # reading evidence must never fail a compile
                 logger.debug("a listener of %s failed", self.label, exc_info=exc)
-        if not _observers:
+        if not _events.listened(_events.GRAPH_COMPILED):
             return self._count(self._compile(gm, example_inputs))
         ops = ops_in(gm)  # before the backend, which may rewrite the graph
         start = time.perf_counter()
         compiled = self._count(self._compile(gm, example_inputs))
         seconds = time.perf_counter() - start
-        self._tell(
-            CompiledGraph(self.label, graph_name(gm), ops, getattr(compiled, RAN_EAGER, None), seconds)
-        )
+        graph = CompiledGraph(self.label, graph_name(gm), ops, getattr(compiled, RAN_EAGER, None), seconds)
+        _events.publish(_events.GRAPH_COMPILED, graph)
         return compiled
 
     def _count(self, compiled: Any) -> Any:
@@ -169,13 +148,6 @@ class RegionBackend(_compat.backends.ForwardsToInner):
                 return forward(*args)
 
             return runs_eager(eager, f"the backend failed on it ({why})")
-
-    def _tell(self, graph: CompiledGraph) -> None:
-        for observer in list(_observers):
-            try:
-                observer(graph)
-            except Exception as exc:  # an observer must never fail a compile
-                logger.debug("a graph observer failed on %s", self.label, exc_info=exc)
 
 
 def region_kwargs(kwargs: dict[str, Any], label: str, checkpoint_fn: Any = None) -> dict[str, Any]:

@@ -119,7 +119,7 @@ def test_a_re_plan_after_the_summary_is_one_line_saying_what_changed(
 
 def _call_as(model: nn.Module, dispatcher: SimpleNamespace, plan: planner.Plan) -> None:
     # The summary names a target by the modules whose forwards are calling it: be one.
-    self = model  # noqa: F841 - read from this frame by summary.qualified_name
+    self = model  # noqa: F841 - read from this frame by summary._locate (a plan recorded from here)
     summary.record_plan(dispatcher, plan)
 
 

@@ -116,7 +116,7 @@ def _checkpoint_wrapper_routed() -> bool:
     assert isinstance(wrapper, cw.CheckpointWrapper)
     if dispatcher is None:  # no compile routed either: plain torch, nothing to watch
         return "forward" in vars(wrapper)  # False unless something else routed the wrapper
-    return dispatcher.outer is not None and dispatcher.outer() is wrapper and "forward" in vars(wrapper)
+    return dispatcher.outer is wrapper and "forward" in vars(wrapper)
 
 
 ROUTED = {
