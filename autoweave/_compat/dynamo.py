@@ -62,6 +62,23 @@ def torch_logging_internal() -> Any:
     return internal if all(hasattr(internal, name) for name in needed) else None
 
 
+def is_torch_log_handler(handler: Any) -> bool:
+    """Is ``handler`` one torch's logging set up (``TORCH_LOGS``)?"""
+    internal = torch_logging_internal()
+    return internal is not None and bool(internal._is_torch_handler(handler))
+
+
+def add_torch_log_handlers(logger: Any, file: str | None) -> None:
+    """torch's own handlers on ``logger``: stderr, and ``file`` (``TORCH_LOGS_OUT``) when named."""
+    import logging
+
+    internal = torch_logging_internal()
+    # torch 2.14 writes to whatever sys.stderr is now (_StderrHandler); 2.13 a StreamHandler.
+    internal._setup_handlers(getattr(internal, "_StderrHandler", logging.StreamHandler), logger)
+    if file:
+        internal._setup_handlers(lambda: logging.FileHandler(file), logger)
+
+
 def dynamo_disabled(fn: Any) -> bool:
     """True when ``fn`` was wrapped by ``torch.compiler.disable``/``torch._dynamo.disable``."""
     seen = 0

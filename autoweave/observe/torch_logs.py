@@ -13,11 +13,10 @@ logger itself; it is idempotent and never undoes what torch already did.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 
-from autoweave import _installs, _log
+from autoweave import _compat, _installs, _log
 from autoweave._log import ALIAS, TORCH_LOGS, logger, requested_level
 
 __all__ = ["ALIAS", "TORCH_LOGS", "register", "requested_level"]
@@ -46,19 +45,15 @@ def register(settings: object) -> None:
         return
     own = _log.edit()
     if getattr(settings, "log_level", None) is not None:
-        _drop_torch_handlers(internal, own)
+        _drop_torch_handlers(own)
         return
     # torch usually did this already (it accepts any importable module name in
     # TORCH_LOGS); a torch that did not gets the same result here.
     own.set_level(level)
     own.set_propagate(False)
-    if not any(internal._is_torch_handler(h) for h in logger.handlers):
-        # torch 2.14 writes to whatever sys.stderr is now (_StderrHandler); 2.13 a StreamHandler.
+    if not any(_compat.dynamo.is_torch_log_handler(h) for h in logger.handlers):
         before = list(logger.handlers)
-        internal._setup_handlers(getattr(internal, "_StderrHandler", logging.StreamHandler), logger)
-        out = os.environ.get(TORCH_LOGS_OUT)
-        if out:
-            internal._setup_handlers(lambda: logging.FileHandler(out), logger)
+        _compat.dynamo.add_torch_log_handlers(logger, os.environ.get(TORCH_LOGS_OUT))
         for handler in [h for h in logger.handlers if h not in before]:
             own.undo_with(lambda handler=handler: logger.removeHandler(handler))
 
@@ -75,14 +70,12 @@ def _register_alias(internal: object) -> Callable[[], None]:
     return undo
 
 
-def _drop_torch_handlers(internal: object, own: _log.LoggerEdit) -> None:
+def _drop_torch_handlers(own: _log.LoggerEdit) -> None:
     # AUTOWEAVE_LOG_LEVEL attached our handler already: one handler, one line per record.
-    for handler in [h for h in logger.handlers if internal._is_torch_handler(h)]:  # type: ignore[attr-defined]
+    for handler in [h for h in logger.handlers if _compat.dynamo.is_torch_log_handler(h)]:
         own.remove_handler(handler)
     own.set_propagate(True)
 
 
 def _internal() -> object | None:
-    from autoweave import _compat
-
     return _compat.dynamo.torch_logging_internal()

@@ -62,7 +62,7 @@ def ops_in(gm: Any) -> int:
 
 
 def graph_name(gm: Any) -> str:
-    return gm._get_name() if hasattr(gm, "_get_name") else "graph"
+    return type(gm).__name__  # fx names each GraphModule's class (``_get_name`` reads the same)
 
 
 @dataclass(frozen=True)

@@ -252,6 +252,11 @@ PRIVATE_TORCH_ATTRS = {
     "_forward_hooks",
     "_forward_pre_hooks",
     "_backward_hooks",
+    "_get_name",
+    # torch._logging._internal's, which TORCH_LOGS handling borrows
+    "_is_torch_handler",
+    "_setup_handlers",
+    "_StderrHandler",
 }
 # _autoweave_start names checkpoint_wrapper's private module path as a string: start-up may
 # not import _compat (it costs every process); _compat.modules.CHECKPOINT_WRAPPER_MODULE is the same.
