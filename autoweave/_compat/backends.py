@@ -4,7 +4,9 @@ Torch range: ``torch._TorchCompileInductorWrapper`` / ``torch._TorchCompileWrapp
 and ``torch._dynamo.backends.registry.lookup_backend`` on 2.11-2.15 (the inductor
 wrapper takes a ``name`` on newer releases, and a backend's ``_dynamo_backend_init`` hook is
 2.15+). torch.compile has no public "build the backend for these arguments";
-no upstream issue asks for one that we found.
+no upstream issue asks for one that we found. Why a wrapper must compare as the
+backend it wraps: dynamo reuses a frame's graphs only for an equal backend, and
+recompiles everything for a backend built anew (pytorch#168373, open).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ cache; reading one costs a walk of a few entries, done only after a compile.
 
 TODO: ``_debug_get_cache_entry_list`` and ``GuardManagerWrapper.code_parts``
 (checked on torch 2.13) are debugging surfaces with no stability promise; a
-public "guards of this code" query would retire this module (none is filed
-upstream yet). Where they are missing nothing is read and nothing splits.
+public "guards of this code" query would retire this module (pytorch#114082 asked
+for one and was closed by pointing at this same debug API). Where they are missing nothing is read and nothing splits.
 """
 
 from __future__ import annotations
