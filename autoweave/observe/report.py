@@ -7,8 +7,21 @@ compiles are counted by a wrapper (``plain_kwargs``): graphs, ops, compile time,
 recompiles, per region. The collector also listens to
 the dispatchers (``autoweave._events``, wired by ``observe.subscriptions``):
 recorded plans name its regions, first-call fallbacks woven around are
-counted, and ``observe.measure`` measures one steady call of each module.
+counted, and ``observe.report`` measures one steady call of each module.
 Writing it at exit, with rank 0's one-screen summary, is ``observe.report_exit``.
+
+The report's autograd measure: one steady call of each compiled module, read from autograd's record.
+
+When a dispatcher starts running its woven regions, or plain torch.compile,
+the report (when collecting) asks it to hand over one later call
+(``observe_next_call``): the forward GEMMs that call left in the autograd graph
+outside compiled graphs (``counting.autograd_gemms``) are what ran eager.
+The measure marks where autograd's graph stood, lets the call run untouched,
+and reads what was added; calls without grad pass to the next, and so do calls
+made while ``torch.compiler.set_stance`` makes compiled code run eager (an eval
+or debug step under ``force_eager``): what they run is not the steady state.
+When only such calls came, the report says the module was not measured. Later
+calls pay nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from autoweave import _compat, _installs
+from autoweave import _compat, _events, _installs
 from autoweave._failopen import RAN_EAGER
 from autoweave._log import logger
 from autoweave._state import run
@@ -159,3 +172,40 @@ def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     except Exception as exc:  # AOTInductor options, a torch without the wrappers
         logger.debug("report: not counting %s (%s)", label, exc)
         return kwargs
+
+
+def on_move(dispatcher: Any, state: str, why: str) -> None:
+    """``_events.MOVED``: measure one steady call of what the dispatcher runs from now on."""
+    if not active():
+        return
+    if state == _events.WOVEN:
+        dispatcher.observe_next_call(_measuring(id(dispatcher)))
+    elif state == _events.PLAIN:
+        # Plain torch.compile compiles at its first call: the one after it is steady.
+        dispatcher.observe_next_call(_measuring(id(dispatcher)), skip=1)
+
+
+def on_ac_kept(dispatcher: Any) -> None:
+    """``_events.AC_KEPT``: blocks now run eager under their checkpoint; measure the next call again."""
+    if active() and dispatcher.state.value == _events.WOVEN:
+        dispatcher.observe_next_call(_measuring(id(dispatcher)))
+
+
+def _measuring(key: int) -> Callable[[], Callable[[Any], None] | None]:
+    def before() -> Callable[[Any], None] | None:
+        stance = _compat.dynamo.eager_stance()
+        if stance is not None:  # runs eager by the user's choice: the next call is measured
+            record_unmeasured(key, stance)
+            return None
+        since = counting.autograd_mark()  # None without grad: the next call is measured
+        if since is None:
+            return None
+
+        def after(out: Any) -> None:
+            found = counting.autograd_gemms(out, since)
+            if found is not None:
+                record_gemms(key, found)  # the plan entry's key (summary.keyed_entries)
+
+        return after
+
+    return before

@@ -4,7 +4,7 @@ A ``RegionStats`` per compiled region (graphs, ops, compile time, recompiles,
 counted by the report's counting backend); for every compile in the process,
 autoweave's or not, what dynamo signalled (its compile callbacks, the
 recompile-limit warnings, checkpointed regions that fell back to eager, graph
-breaks); and one measured call per compiled module (``observe.measure``).
+breaks); and one measured call per compiled module (``observe.report``).
 ``_Stats.snapshot`` is the report's JSON.
 """
 
@@ -279,7 +279,7 @@ class _Stats:
                 ),  # autoweave/observe/graph_breaks.py
                 "recompile_limit_hits": list(self.limit_hits),
             },
-            # One steady call of each compiled module, from autograd's record (observe.measure).
+            # One steady call of each compiled module, from autograd's record (observe.report).
             "measured": {
                 "modules": len(measured),
                 "fully_compiled": sum(1 for m in measured.values() if m["eager_gemms"] == 0),

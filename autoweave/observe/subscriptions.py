@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autoweave import _events, _installs
-from autoweave.observe import measure, report, report_exit, summary, trace
+from autoweave.observe import report, report_exit, summary, trace
 
 # (topic, listener, install key): what each observer listens to.
 _SUBSCRIPTIONS: tuple[tuple[str, Callable[..., None], str], ...] = (
@@ -26,8 +26,8 @@ _SUBSCRIPTIONS: tuple[tuple[str, Callable[..., None], str], ...] = (
     (_events.PLAN_RECORDED, report.on_plan, "plan listener: the report names its regions"),
     (_events.PLAN_RECORDED, trace.emit_plan, "plan listener: TORCH_TRACE writes each plan"),
     (_events.WOVEN_AROUND, report.on_woven_around, "fallback listener: the report counts those woven around"),
-    (_events.MOVED, measure.on_move, "move listener: the report measures one call of each module"),
-    (_events.AC_KEPT, measure.on_ac_kept, "limit listener: the report measures a block back under its AC"),
+    (_events.MOVED, report.on_move, "move listener: the report measures one call of each module"),
+    (_events.AC_KEPT, report.on_ac_kept, "limit listener: the report measures a block back under its AC"),
 )
 
 

@@ -89,7 +89,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.observe.trace",
         "autoweave.observe.report_stats",
         "autoweave.observe.report",
-        "autoweave.observe.measure",
         "autoweave.observe.report_exit",
         "autoweave.observe.subscriptions",
     ),
