@@ -3,7 +3,7 @@
 One module, standard library only. With ``AUTOWEAVE`` off it returns at once;
 with it on it registers post-import hooks on torch and imports nothing else:
 the autoweave package (and wrapt, ~80 ms) loads when torch does. It also holds
-the post-import hook machinery (``autoweave._importhook`` re-exports it), so a
+the post-import hook machinery (``autoweave._installs`` re-exports it), so a
 process has one finder whichever way autoweave was turned on.
 
 wrapt has post-import hooks too, but importing it at start-up would cost every

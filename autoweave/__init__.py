@@ -81,9 +81,9 @@ def is_enabled() -> bool:
         return False  # a missing dependency or an unsupported torch: said once, staying off
     if "torch" not in sys.modules:
         # The start-up file registers its hook without going through _bootstrap.
-        from autoweave import _importhook
+        from autoweave import _installs
 
-        return startup._hooks_registered or _importhook.registered("torch")
+        return startup._hooks_registered or _installs.registered("torch")
     from autoweave.dispatch import patches
 
     return bool(patches.applied())
@@ -97,9 +97,9 @@ class disabled:  # noqa: N801 - used like a function: `with autoweave.disabled()
     """
 
     def __enter__(self) -> None:
-        from autoweave.dispatch import routes
+        from autoweave.dispatch import patches
 
-        self._cm = routes.disabled()
+        self._cm = patches.disabled()
         self._cm.__enter__()
 
     def __exit__(self, *exc: object) -> None:

@@ -1,8 +1,10 @@
-"""``python -m autoweave doctor`` and ``python -m autoweave explain MODULE:FACTORY``."""
+"""``python -m autoweave doctor``, ``python -m autoweave explain MODULE:FACTORY``, and ``autoweave-run``."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 
 from autoweave import _settings
@@ -77,6 +79,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sys.stdout.write(text + "\n")
     return 0
+
+
+def run_command(argv: list[str] | None = None) -> int:
+    """``autoweave-run <command...>``: run a command with autoweave on (like ``ddtrace-run``)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        sys.stdout.write("usage: autoweave-run COMMAND [ARGS...]\n  runs COMMAND with AUTOWEAVE=1\n")
+        return 0 if args else 2
+    os.environ["AUTOWEAVE"] = "1"
+    # Make the checkout's sitecustomize shell reachable too, for interpreters
+    # that do not see the installed start-up file (e.g. a different venv's python -S).
+    program = shutil.which(args[0]) or args[0]
+    try:
+        os.execvp(program, args)
+    except OSError as exc:
+        sys.stderr.write(f"autoweave-run: cannot run {args[0]!r}: {exc}\n")
+        return 127
+    return 0  # pragma: no cover - execvp does not return
 
 
 if __name__ == "__main__":

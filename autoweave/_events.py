@@ -23,7 +23,7 @@ Topics and what each publishes (positional arguments):
 - ``AC_KEPT``: ``(dispatcher,)``, a block woven as pieces reached dynamo's recompile limit and
   runs eager under its checkpoint from the next call (``weave.keep_checkpoint``).
 - ``GRAPH_COMPILED``: ``(graph,)``, a woven region's backend compiled (or ran eager) one graph
-  dynamo handed it (``weave.region_backend.CompiledGraph``); published only while someone listens.
+  dynamo handed it (``weave.pieces.CompiledGraph``); published only while someone listens.
 - ``AT_LIMIT``: ``(label,)``, a woven region under an eager checkpoint is at dynamo's recompile
   limit and runs eager the calls none of its graphs fits (``_compat.dynamo.lookups_in_order``).
 """

@@ -135,7 +135,7 @@ class FailedFrames:
         """Dynamo skips a frame it failed on from then on: have each compiled at its next call."""
         for _, code in self.errors:
             if code is not None:
-                _compat.conversion.compile_again(code)
+                _compat.dynamo.compile_again(code)
 
     def describe(self) -> str:
         """The first failure, for a warning: the frame and the first line of its error."""
@@ -157,7 +157,7 @@ def frames_fail_open() -> Iterator[FailedFrames]:
     compiled again next time; a call that succeeded hit one of autoweave's.
     """
     failed = FailedFrames()
-    with _compat.conversion.suppressing_errors() as suppressing:
+    with _compat.dynamo.suppressing_errors() as suppressing:
         if not suppressing:
             yield failed
             return
@@ -168,7 +168,7 @@ def frames_fail_open() -> Iterator[FailedFrames]:
             # thread's is left to dynamo (the config is process-wide).
             if message.thread not in (thread, None):  # None: logging.logThreads is off
                 return False
-            failed._add(message.error, _compat.conversion.converting_code())
+            failed._add(message.error, _compat.dynamo.converting_code())
             return True
 
         with _taps.listening(WontConvert, on_error):

@@ -20,9 +20,18 @@ called after ``disable()`` runs what plain torch.compile would.
 
 Standard library only and cheap to import (``startup`` records the import hooks
 here, in every process with ``AUTOWEAVE`` on): no logging until an undo fails.
-"""
+
+The post-import hooks are here too (``register``, ``unregister``): their one
+finder lives in the top-level start-up module (see there), so a process has one
+whichever way autoweave was turned on."""
+
+from __future__ import annotations
 
 import _thread
+import sys
+
+import _autoweave_start as _start
+from _autoweave_start import register, registered, unregister_all  # noqa: F401 (the post-import hooks)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,8 +41,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _lock = _thread.RLock()
 # key -> undo, in install order (dicts keep it; popitem() takes the newest).
-_undos: "dict[str, Undo]" = {}
-_busy: "set[str]" = set()  # keys whose apply() is running
+_undos: dict[str, Undo] = {}
+_busy: set[str] = set()  # keys whose apply() is running
 _on = False
 
 
@@ -48,7 +57,7 @@ def active() -> bool:
     return _on
 
 
-def install(key: str, apply: "Callable[[], Undo | None]", undo: "Undo | None" = None) -> bool:
+def install(key: str, apply: Callable[[], Undo | None], undo: Undo | None = None) -> bool:
     """Run ``apply()`` unless ``key`` is installed (or being installed); keep its undo. True if it ran.
 
     The undo is ``undo``, or else what ``apply`` returns (None: nothing to undo;
@@ -76,7 +85,7 @@ def installed(key: str) -> bool:
         return key in _undos
 
 
-def keys() -> "list[str]":
+def keys() -> list[str]:
     """What is installed now, oldest first (the keys name each install for people)."""
     with _lock:
         return list(_undos)
@@ -123,7 +132,7 @@ def shadowed_message(what: str) -> str:
     )
 
 
-def _run(key: str, undo: "Undo") -> None:
+def _run(key: str, undo: Undo) -> None:
     try:
         undo()
     except Exception as exc:  # one failed undo must not keep the others from running
@@ -136,3 +145,19 @@ def _run(key: str, undo: "Undo") -> None:
 
 def _nothing() -> None:
     pass
+
+
+def unregister(name: str, hook: _start.Hook) -> None:
+    """Forget one hook; the finder leaves ``sys.meta_path`` with the last one.
+
+    Written here, not in the start-up module: an editable install keeps its own
+    copy of that module in site-packages, which may be older than this package.
+    """
+    with _start._lock:
+        hooks = _start._hooks.get(name, [])
+        if hook in hooks:
+            hooks.remove(hook)
+        if not hooks:
+            _start._hooks.pop(name, None)
+        if not _start._hooks and _start._finder in sys.meta_path:
+            sys.meta_path.remove(_start._finder)

@@ -9,7 +9,7 @@ import os
 import sys
 
 from _autoweave_start import CHECKPOINT_WRAPPER_MODULE, ON_IMPORT, TORCH, _warn
-from autoweave import _importhook, _installs, _settings
+from autoweave import _installs, _settings
 from autoweave._settings import TYPE_CHECKING, Settings
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -92,13 +92,13 @@ def install() -> None:
 
 
 def _register_hooks() -> "Callable[[], None]":
-    if _importhook.registered(TORCH):
+    if _installs.registered(TORCH):
         return _adopt_hooks()  # the start-up module's hooks already wait for torch
     # Registering is plain dictionary work; the hooks themselves carry the
     # fail-open guard (importing logging here would cost every process).
     # checkpoint_wrapper's hook first: it must be in place if torch's own import pulls it in.
-    _importhook.register(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
-    _importhook.register(TORCH, _on_torch_import)
+    _installs.register(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
+    _installs.register(TORCH, _on_torch_import)
     return _adopt_hooks()
 
 
@@ -112,9 +112,9 @@ def _unregister_hooks() -> None:
     global _hooks_registered
     _hooks_registered = False
     for name in (TORCH, CHECKPOINT_WRAPPER_MODULE):
-        _importhook.unregister(name, ON_IMPORT)  # the start-up module's
-    _importhook.unregister(TORCH, _on_torch_import)
-    _importhook.unregister(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
+        _installs.unregister(name, ON_IMPORT)  # the start-up module's
+    _installs.unregister(TORCH, _on_torch_import)
+    _installs.unregister(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
 
 
 def uninstall() -> None:
@@ -124,7 +124,7 @@ def uninstall() -> None:
         _installs.uninstall_all()
         # Hooks the start-up module registered in a process that never imported torch
         # (so never loaded autoweave's part of them): nothing else is left to take them off.
-        _importhook.unregister_all()
+        _installs.unregister_all()
         _hooks_registered = False
 
 
@@ -220,15 +220,15 @@ def _on_torch_import(module: "Any") -> None:
     with guard("starting the report", fallback="no plan summary or report at exit"):
         # The plan summary at exit (when no second step logged it) and, with
         # AUTOWEAVE_REPORT, the report.
-        from autoweave.observe import subscriptions
+        from autoweave.observe import report_exit
 
-        subscriptions.install(_settings.current())
-    with guard("applying TORCH_LOGS to the autoweave logger"):  # autoweave/observe/torch_logs.py
+        report_exit.install(_settings.current())
+    with guard("applying TORCH_LOGS to the autoweave logger"):  # autoweave/observe/graph_breaks.py
         from autoweave import _log
-        from autoweave.observe import torch_logs
+        from autoweave.observe import graph_breaks
 
         _log.name_summary_level()  # the plan summary's level, by name, while installed
-        torch_logs.register(_settings.current())
+        graph_breaks.register(_settings.current())
 
 
 def _on_checkpoint_wrapper_import(module: "Any") -> None:

@@ -87,7 +87,7 @@ COLUMN_KEYS = tuple(key for key, _ in COLUMNS)
 
 # Counts and memory are read in the last two checked steps, after every compile: a selective-AC
 # block whose pieces were measured holding more than eager SAC is planned again (hoist) and
-# compiles at the second step (autoweave.planning.memory), so the default checks four steps, quick three.
+# compiles at the second step (autoweave.planning.learned), so the default checks four steps, quick three.
 QUICK = {"layers": 2, "dim": 32, "steps": 3, "timing_steps": 2, "repeats": 1, "backend": "aot_eager"}
 DEFAULTS = {"layers": 4, "dim": 64, "steps": 4, "timing_steps": 20, "repeats": 3, "backend": "inductor"}
 

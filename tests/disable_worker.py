@@ -123,7 +123,7 @@ def snapshot() -> dict[str, Any]:
         "FSDPState.init": _fsdp_state.FSDPState.__dict__["init"],
         "dynamo start callbacks": tuple(dynamo_callback.callback_handler.start_callbacks),
         "dynamo end callbacks": tuple(dynamo_callback.callback_handler.end_callbacks),
-        # Kept across torch._dynamo.reset() by a wrapper on the registry's clear (observe.compile_callbacks).
+        # Kept across torch._dynamo.reset() by a wrapper on the registry's clear (observe.trace).
         "dynamo callback registry's clear": dynamo_callback.callback_handler.__dict__.get("clear"),
         "torch log aliases": tuple(sorted(torch_logging.log_registry.log_alias_to_log_qnames)),
         "atexit callbacks (autoweave's)": tuple(_exit_callbacks),

@@ -9,7 +9,7 @@ issue that would retire it, at the workaround:
 - ``lookup``: finding a torch name by path; ``UnsupportedTorch``.
 - ``modules``: private attributes of torch's modules and wrappers (OptimizedModule,
   CheckpointWrapper, FSDP, nn.Module's stores and hooks).
-- ``guards``: what dynamo guards a compiled function on (its cache entries' guards).
+- ``guards``: what dynamo guards a compiled function on (its cache entries' backends).
 - ``dynamo``: dynamo's counters, callbacks, code resets, the compile in progress.
 - ``backends``: the backend ``torch.compile`` builds, and wrapping it unchanged.
 - ``conversion``: failing open inside dynamo (suppressed errors, compiling a skipped frame again).
@@ -30,17 +30,7 @@ Callers name the concern with the name: ``_compat.dynamo.outside_dynamo``. This
 package only imports its modules, so ``from autoweave import _compat`` reaches them all.
 """
 
-from autoweave._compat import (
-    backends,
-    checkpoints,
-    conversion,
-    dynamo,
-    guards,
-    log_strings,
-    lookup,
-    modules,
-    version,
-)
+from autoweave._compat import backends, checkpoints, dynamo, log_strings, lookup, modules, version
 
 __all__ = [
     "backends",

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from autoweave._compat import checkpoints, conversion, dynamo, log_strings, modules
+from autoweave._compat import checkpoints, dynamo, log_strings, modules
 from autoweave._compat.lookup import UnsupportedTorch, find
 
 # The torch releases autoweave is tested on, inclusive, as (major, minor).
@@ -223,7 +223,7 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
 
 
 def _convert_frame_argument() -> bool:
-    code = conversion.convert_frame_call_code()
+    code = dynamo.convert_frame_call_code()
     return code is not None and "frame" in code.co_varnames[: code.co_argcount]
 
 

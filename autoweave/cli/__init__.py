@@ -1,1 +1,1 @@
-"""Command-line tools: ``python -m autoweave doctor|explain``, ``autoweave-run``."""
+"""Command-line tools: ``python -m autoweave doctor|explain``, ``autoweave-run`` (in ``__main__``)."""

@@ -1,6 +1,6 @@
 """The dispatcher behind each compiled module: a state machine that plans at the first forward.
 
-``dispatch.routes`` attaches one to every module handed to ``torch.compile`` or
+``dispatch.patches`` attaches one to every module handed to ``torch.compile`` or
 ``module.compile()``; torch's compiled forward slot then holds the dispatcher's
 ``call``. At the first forward (and again when the module tree under it
 changed) the dispatcher asks the planner for a plan, has ``weave.apply``
@@ -16,8 +16,8 @@ structured trace) subscribe; nothing here calls them to notify.
 The flow, one hop a line, from the user's compile to the report:
 
 1. ``import torch`` runs ``startup.on_import``: ``dispatch.patches.apply_torch`` wraps
-   ``torch.compile`` and ``nn.Module.compile``; ``observe.subscriptions.install`` subscribes.
-2. ``torch.compile(module)`` reaches ``dispatch.routes.route_compile`` (``module.compile()``:
+   ``torch.compile`` and ``nn.Module.compile``; ``observe.report_exit.install`` subscribes.
+2. ``torch.compile(module)`` reaches ``dispatch.patches.route_compile`` (``module.compile()``:
    ``route_module_compile``), which attaches a ``_Dispatcher`` (``attach_to_optimized`` /
    ``attach_in_place``): torch's compiled forward slot now holds its ``call`` (``_make_call``).
 3. The first forward: ``call`` -> ``ensure_decided`` -> ``_decide`` fingerprints the tree and
@@ -26,7 +26,7 @@ The flow, one hop a line, from the user's compile to the report:
 4. ``_apply`` installs it (``weave.apply.apply_plan``: regions, their backends, pieces) and
    enters TRIAL, or PLAIN (then ``_watched`` runs plain torch.compile's first call).
 5. ``_first_woven_call`` runs the regions' first call once, watching dynamo's fallback
-   (``_watched``; ranks agree through ``dispatch.agreement``), and enters WOVEN.
+   (``_watched``; ranks agree through ``dispatch.plan_inputs``), and enters WOVEN.
 6. A fallback seen there re-plans (``_on_hidden_fallback``: LEARNED, applied at the next call).
 7. Each move is an ``_events`` topic: ``observe.summary`` logs the plan summary at the next
    step, ``observe.report`` and ``observe.report`` keep the report, ``observe.trace`` writes
@@ -50,11 +50,11 @@ from autoweave._compat.log_strings import FallbackBreak
 from autoweave._failopen import AutoweaveError, FailedFrames, _strict, frames_fail_open, guard, swallowed
 from autoweave._log import logger
 from autoweave._state import run as _run
-from autoweave.dispatch import agreement, plan_inputs
+from autoweave.dispatch import plan_inputs
 from autoweave.dispatch.states import _RUNS_REGIONS, _TRANSITIONS, State, Why
 from autoweave.observe import counting, graph_breaks, summary
-from autoweave.planning import learned_breaks, planner, tree_changes
-from autoweave.planning.learned import hoist_reason, learn_breaks
+from autoweave.planning import boundaries, planner
+from autoweave.planning.learned import hoist_reason, learn_breaks, locate
 from autoweave.weave import apply
 
 
@@ -72,7 +72,7 @@ def _fingerprint(target: nn.Module) -> tuple:
     from autoweave.planning.boundaries import MARK
 
     modules = list(target.named_modules())
-    tree_changes.watch(m for _, m in modules)  # a registration into any of them moves the signal
+    boundaries.watch(m for _, m in modules)  # a registration into any of them moves the signal
     # A block measured holding more as pieces than eager SAC would is planned again (memory);
     # one whose hooks changed too: dynamo never sees a hook added after it traced (tree_watch).
     return tuple(
@@ -345,9 +345,9 @@ class _Dispatcher:
         return out
 
     def _agree(self, flags: list[bool]) -> list[bool]:
-        """Each flag, true if it is on any rank that runs this target (``agreement.any_rank``)."""
+        """Each flag, true if it is on any rank that runs this target (``plan_inputs.any_rank``)."""
         holder = self.holder()  # not ``or``: a module may define __len__
-        return agreement.any_rank(self.target if holder is None else holder, flags)
+        return plan_inputs.any_rank(self.target if holder is None else holder, flags)
 
     def _agreed_breaks(self, breaks: list[FallbackBreak] | None) -> dict[int, str] | None:
         """The modules (by id) any rank saw break (None: no rank saw a fallback); ``breaks``: this rank's.
@@ -360,7 +360,7 @@ class _Dispatcher:
         located: dict[int, str] = {}
         with guard(f"locating a graph break in {type(self.target).__name__}"):
             if breaks is not None:
-                located = learned_breaks.locate(target, breaks)
+                located = locate(target, breaks)
                 if not located and planner.checkpoint_spec(target) is not None:
                     # No location from dynamo: the wrapped block breaks somewhere; hoist
                     # around it still compiles all but the break.
@@ -571,7 +571,7 @@ class _Dispatcher:
         for other in list(_run.live):
             if other is not self:
                 other.read_tree_again()
-        tree_changes.bump()
+        boundaries.bump()
         # That cached fallback also answers *other* modules sharing the code whose
         # guards it passes (a dense block behind the same CheckpointWrapper.forward
         # would run eager from then on): drop the cache of the code it was traced on.
@@ -648,7 +648,7 @@ def set_mode(module: nn.Module, mode: str | None = None, *, strategy: str | None
             object.__setattr__(obj, _settings.MODE_ATTR, mode)
         if strategy is not None:
             object.__setattr__(obj, _settings.STRATEGY_ATTR, strategy)
-    tree_changes.bump()
+    boundaries.bump()
     return module
 
 

@@ -44,7 +44,7 @@ from autoweave import _compat, _installs
 from autoweave._failopen import warn_each
 from autoweave._log import logger
 from autoweave._state import run
-from autoweave.planning.tree_changes import bump
+from autoweave.planning.boundaries import bump
 from autoweave.weave.apply import uniform_hook
 
 _is_compiling: Any = None  # torch.compiler.is_compiling, once torch is imported (install)
@@ -150,10 +150,10 @@ def _add_registration_hook() -> Callable[[], None] | None:
 
 
 def _hook_import(name: str) -> Callable[[], None]:
-    from autoweave import _importhook
+    from autoweave import _installs
 
-    _importhook.register(name, _watch_fully_shard)
-    return lambda: _importhook.unregister(name, _watch_fully_shard)
+    _installs.register(name, _watch_fully_shard)
+    return lambda: _installs.unregister(name, _watch_fully_shard)
 
 
 def _watch_fully_shard(state_module: Any) -> None:

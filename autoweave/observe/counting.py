@@ -16,7 +16,7 @@ from typing import Any
 from autoweave import _compat, _installs, _taps
 from autoweave._compat.log_strings import Fallback, FallbackBreak, RecompileLimit
 from autoweave._failopen import RAN_EAGER, warn_each
-from autoweave.weave.region_backend import graph_name, ops_in
+from autoweave.weave.pieces import graph_name, ops_in
 
 
 @dataclass
@@ -80,7 +80,7 @@ class FallbackCounter:
     """dynamo's own "will fall back to eager-mode PyTorch" messages while installed, and the breaks behind them.
 
     ``breaks`` holds the break dynamo logs after each fallback, with its user
-    stack (``planning.learned_breaks.locate`` maps it to the module that breaks).
+    stack (``planning.learned.locate`` maps it to the module that breaks).
     Any number may be installed at once, from any thread, uninstalled in any
     order: they share one tap on dynamo's logger (``autoweave._taps``), which
     restores the logger when the last one is uninstalled.

@@ -1,11 +1,11 @@
 """The run report (``AUTOWEAVE_REPORT=path.json``, ``{rank}`` for one file per rank): collecting.
 
-``start`` installs a collector (``report_stats._Stats``) and ``stop`` takes it
+``start`` installs a collector (``_Stats``) and ``stop`` takes it
 off and returns its snapshot. While it runs, woven regions' backends tell it
 each graph they compile (``_events.GRAPH_COMPILED``) and plain
 compiles are counted by a wrapper (``plain_kwargs``): graphs, ops, compile time,
 recompiles, per region. The collector also listens to
-the dispatchers (``autoweave._events``, wired by ``observe.subscriptions``):
+the dispatchers (``autoweave._events``, wired by ``observe.report_exit``):
 recorded plans name its regions, first-call fallbacks woven around are
 counted, and ``observe.report`` measures one steady call of each module.
 Writing it at exit, with rank 0's one-screen summary, is ``observe.report_exit``.
@@ -22,22 +22,35 @@ made while ``torch.compiler.set_stance`` makes compiled code run eager (an eval
 or debug step under ``force_eager``): what they run is not the steady state.
 When only such calls came, the report says the module was not measured. Later
 calls pay nothing.
+
+What the run report collects: per region and for the whole process (``observe.report`` runs it).
+
+A ``RegionStats`` per compiled region (graphs, ops, compile time, recompiles,
+counted by the report's counting backend); for every compile in the process,
+autoweave's or not, what dynamo signalled (its compile callbacks, the
+recompile-limit warnings, checkpointed regions that fell back to eager, graph
+breaks); and one measured call per compiled module (``observe.report``).
+``_Stats.snapshot`` is the report's JSON.
 """
 
 from __future__ import annotations
 
+import re
+import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from autoweave import _compat, _events, _installs
+from autoweave import _compat, _events, _installs, _taps
+from autoweave._compat.log_strings import RecompileLimit
 from autoweave._failopen import RAN_EAGER
-from autoweave._log import logger
+from autoweave._log import logger, rank, world_size
 from autoweave._state import run
-from autoweave.observe import counting, summary
-from autoweave.observe.report_stats import _Stats
-from autoweave.weave.region_backend import CompiledGraph, graph_name, ops_in
+from autoweave.observe import counting, graph_breaks, summary, trace
+from autoweave.weave.pieces import CompiledGraph, RegionBackend, graph_name, ops_in
 
 # -- counting what compiled -----------------------------------------------------------------
 
@@ -209,3 +222,275 @@ def _measuring(key: int) -> Callable[[], Callable[[Any], None] | None]:
         return after
 
     return before
+
+
+@dataclass
+class RegionStats:
+    label: str  # the compiled function's name (shared by identical blocks)
+    kind: str  # "woven" (a region of a woven plan) or "plain" (a plain compile autoweave routed)
+    modules: list[str] = field(default_factory=list)
+    capture: counting.Capture = field(default_factory=counting.Capture)
+    backend_s: float = 0.0
+    compile_s: float = 0.0
+    compiles: int = 0
+    recompiles: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "kind": self.kind,
+            "modules": self.modules,
+            "graphs": self.capture.graph_count,
+            "ops": self.capture.ops,
+            # Graphs dynamo traced that run eager instead (a piece under its checkpoint, a
+            # graph the backend failed on): not captured, with why.
+            "eager_graphs": len(self.capture.eager),
+            "eager_ops": self.capture.eager_ops,
+            "eager_reasons": dict(Counter(g.eager for g in self.capture.eager if g.eager).most_common()),
+            "compiles": self.compiles,
+            "recompiles": self.recompiles,
+            "compile_s": round(self.compile_s, 4),
+            "backend_s": round(self.backend_s, 4),
+        }
+
+
+_COMPILE_ID = re.compile(r"(\d+)/(\d+)")
+
+
+class _Stats:
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.started = time.time()
+        self.regions: dict[str, RegionStats] = {}
+        self.limit_hits: list[str] = []
+        self.woven_around = 0
+        self.compile_s = 0.0
+        self.compiles = 0
+        self.recompiles = 0
+        # Compiles no region of autoweave's ran (the application's own torch.compile of a
+        # function, an inductor kernel it compiles itself): with the regions', dynamo's all.
+        self.outside_compiles = 0
+        self.outside_recompiles = 0
+        self._open: list[tuple[float, list[RegionStats], bool]] = []
+        self._lock = threading.Lock()
+        self.fallbacks = counting.FallbackCounter()
+        # id(dispatcher) -> what one steady call of its module left in the autograd graph
+        self.gemms: dict[int, counting.AutogradGemms] = {}
+        # id(dispatcher) -> the stance that made a call offered to the measure run eager (passed)
+        self.unmeasured: dict[int, str] = {}
+        self._limits = _taps.listening(RecompileLimit, self._on_limit)
+        self._unlisten: Callable[[], None] | None = None
+        self._unobserve: Callable[[], None] | None = None
+        self._unat: Callable[[], None] = lambda: None
+
+    def install(self) -> None:
+        self._unobserve = _events.subscribe(_events.GRAPH_COMPILED, self.on_graph)
+        self.fallbacks.install()
+        graph_breaks.watch_graph_breaks()  # the user's line of each graph break (autoweave/observe/graph_breaks.py)
+        self._limits.start()  # dynamo's recompile-limit warnings (any compile, autoweave's or not)
+        # and the regions under an eager checkpoint that autoweave runs eager at the limit
+        self._unat = _events.subscribe(_events.AT_LIMIT, self._on_at_limit)
+        # Kept across torch._dynamo.reset(), which clears dynamo's callbacks (trace).
+        self._unlisten = trace.listen(self._on_start, self._on_end)
+
+    def uninstall(self) -> None:
+        if self._unobserve is not None:
+            self._unobserve()
+            self._unobserve = None
+        self.fallbacks.uninstall()
+        self._limits.stop()
+        self._unat()
+        if self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
+
+    def _on_limit(self, hit: RecompileLimit) -> None:
+        self.limit_hits.append(hit.summary)
+
+    def _on_at_limit(self, label: str) -> None:
+        self.limit_hits.append(f"woven region {label} at the recompile limit: calls no graph fits run eager")
+
+    # dynamo's compile callbacks: time every compile, attribute it to the regions it built
+    def _on_start(self, args: Any = None, *_: Any) -> None:
+        rank()  # remember the process group's rank while it exists (see _log)
+        trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
+        match = _COMPILE_ID.search(str(getattr(args, "compile_id", "")))
+        recompile = trigger == "DYNAMO" and match is not None and int(match.group(2)) > 0
+        # A woven region's own frame, or a resume function of it, is its region's compile
+        # whether or not it hands the backend a graph: a frame between two boundaries (or
+        # calls dynamo must not trace) can hold no op, and yet recompile for a new size.
+        # So is a frame of other code its call reached (a helper it calls that breaks, a
+        # shared class forward): compiled by the region's backend, counted under it.
+        region = None
+        if trigger == "DYNAMO":
+            code, backend = _compat.dynamo.compile_in_progress()
+            region = self._region_of(code) or self._region_of_backend(backend)
+        with self._lock:
+            self._open.append((time.perf_counter(), [] if region is None else [region], recompile))
+            if trigger == "DYNAMO":
+                self.compiles += 1
+                self.recompiles += recompile
+                if region is None:
+                    self.outside_compiles += 1
+                    self.outside_recompiles += recompile
+
+    def _on_end(self, *_: Any) -> None:
+        with self._lock:
+            if not self._open:
+                return
+            start, regions, recompile = self._open.pop()
+        elapsed = time.perf_counter() - start
+        self.compile_s += elapsed
+        for region in regions:
+            region.compile_s += elapsed / len(regions)
+            region.compiles += 1
+            region.recompiles += recompile
+
+    def _region_of(self, code: Any) -> RegionStats | None:
+        """The woven region whose code (or a resume function of it) ``code`` is; None if none."""
+        if code is None:
+            return None
+        region = self.regions.get(_compat.dynamo.resumed_name(code.co_name))
+        return region if region is not None and region.kind == "woven" else None
+
+    def _region_of_backend(self, backend: Any) -> RegionStats | None:
+        """The region whose backend (a woven region's, or a plain compile's counting one) ``backend`` is."""
+        for within in _compat.dynamo.backends_within(backend):
+            if isinstance(within, RegionBackend):
+                return self.region(within.label, "woven")
+            label = getattr(within, "report_label", None)
+            if isinstance(label, str) and label in self.regions:
+                return self.regions[label]
+        return None
+
+    def on_graph(self, graph: CompiledGraph, kind: str = "woven") -> None:
+        """A region's backend compiled a graph (or runs it eager): count it under its region."""
+        region = self.region(graph.label, kind)
+        with self._lock:
+            # The compile now open (dynamo's callbacks) built this region: it shares that time.
+            if self._open and region not in self._open[-1][1]:
+                self._open[-1][1].append(region)
+        region.capture.add(graph.name, graph.ops, graph.eager)
+        region.backend_s += graph.seconds
+
+    def region(self, label: str, kind: str) -> RegionStats:
+        with self._lock:
+            if label not in self.regions:
+                self.regions[label] = RegionStats(label, kind)
+            return self.regions[label]
+
+    def name_regions(self, entry: summary.Entry) -> None:
+        # A woven region is reported from its plan on; a plain compile once it is counted.
+        regions = [(path, self.region(label, "woven")) for path, label in entry.regions.items()]
+        plain = self.regions.get(entry.plain_label) if entry.plain_label is not None else None
+        if plain is not None and not entry.plan.woven:
+            regions.append(("", plain))
+        for path, region in regions:
+            shown = summary.join_path(entry.shown, path)
+            if shown not in region.modules:
+                region.modules.append(shown)
+
+    def compiled_anything(self) -> bool:
+        """Did this process compile, plan or see a fallback? If not, it has nothing to report."""
+        if self.compiles or self.regions or self.fallbacks.count or summary.entries():
+            return True
+        return bool(_compat.dynamo.dynamo_counters().get("stats", {}).get("unique_graphs"))
+
+    def snapshot(self) -> dict[str, Any]:
+        import torch
+
+        from autoweave import _settings, _version
+
+        counters = _compat.dynamo.dynamo_counters()
+        stats = dict(counters.get("stats", {}))
+        breaks = Counter(dict(counters.get("graph_break", {})))
+        # A plain compile whose module was re-planned woven after its first call
+        # ran once: reported, but not as live and not in the totals.
+        replaced = {e.plain_label for e in summary.entries() if e.plan.woven and e.plain_label}
+        # A woven region is live while a current plan runs it: one whose plan was given
+        # up since (re-planned plain, or woven anew) ran for a while but runs no more.
+        current = {label for e in summary.entries() for label in e.regions.values()}
+        regions = [
+            {**r.as_dict(), "live": r.label not in replaced if r.kind == "plain" else r.label in current}
+            for r in self.regions.values()
+            if r.kind != "plain"
+            or r.modules
+            or r.capture.graph_count  # a woven module's unused plain compile
+        ]
+        live = [r for r in regions if r["live"]]
+        fallback_messages = Counter(m.strip().splitlines()[0] for m in self.fallbacks.messages if m.strip())
+        plans = []
+        measured = {
+            key: {"eager_gemms": g.eager, "compiled_graphs": g.compiled_graphs}
+            for key, g in self.gemms.items()
+        }
+        # Modules whose every call offered to the measure ran under a stance that forces eager.
+        unmeasured = {key: stance for key, stance in self.unmeasured.items() if key not in measured}
+        for key, entry in summary.keyed_entries():
+            plans.append(
+                {
+                    "name": entry.shown,
+                    "type": entry.type_name,
+                    "woven": entry.plan.woven,
+                    "mode": entry.plan.mode,
+                    "strategy": entry.plan.strategy,
+                    "summary": entry.plan.headline(),
+                    "decisions": summary.decision_records(entry),
+                    "region": None if entry.plan.woven else entry.plain_label,
+                    "measured": measured.get(key),
+                }
+            )
+        return {
+            "autoweave": _version.__version__,
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "rank": rank(),
+            "world_size": world_size(),
+            "wall_s": round(time.time() - self.started, 3),
+            "settings": _settings.current().as_dict(),
+            "plans": plans,
+            "regions": regions,
+            "totals": {
+                "modules": len(plans),
+                "woven": sum(1 for p in plans if p["woven"]),
+                "graphs": sum(r["graphs"] for r in live),
+                "ops": sum(r["ops"] for r in live),
+                "eager_graphs": sum(r["eager_graphs"] for r in live),
+                "eager_ops": sum(r["eager_ops"] for r in live),
+                "compile_s": round(sum(r["compile_s"] for r in live), 4),
+                "backend_s": round(sum(r["backend_s"] for r in live), 4),
+            },
+            "dynamo": {
+                "unique_graphs": int(stats.get("unique_graphs", 0)),
+                "calls_captured": int(stats.get("calls_captured", 0)),
+                "compiles": self.compiles,
+                "recompiles": self.recompiles,
+                "compile_s": round(self.compile_s, 4),
+                # Of those, compiles no region ran (see ``outside_compiles``): the regions' and
+                # these add up to dynamo's.
+                "outside_regions": {"compiles": self.outside_compiles, "recompiles": self.outside_recompiles},
+                "graph_breaks": sum(breaks.values()),
+                "graph_break_reasons": dict(breaks.most_common()),
+                "graph_break_sites": graph_breaks.graph_break_sites(
+                    breaks
+                ),  # autoweave/observe/graph_breaks.py
+                "recompile_limit_hits": list(self.limit_hits),
+            },
+            # One steady call of each compiled module, from autograd's record (observe.report).
+            "measured": {
+                "modules": len(measured),
+                "fully_compiled": sum(1 for m in measured.values() if m["eager_gemms"] == 0),
+                "eager_gemms": sum(m["eager_gemms"] for m in measured.values()),
+                # stance -> modules not measured: every call after their compile ran under it
+                "not_measured": dict(Counter(unmeasured.values())),
+            },
+            # Failures of autoweave's own that failed open (slug -> count; _failopen.swallowed).
+            "swallowed": dict(sorted(run.swallowed.items())),
+            "ac_fallbacks": {
+                "count": self.fallbacks.count,
+                # Seen at a first call, then compiled around from the next call on.
+                "woven_around": min(self.woven_around, self.fallbacks.count),
+                "sites": graph_breaks.fallback_sites(),  # autoweave/observe/graph_breaks.py
+                "messages": [{"message": m, "count": n} for m, n in fallback_messages.most_common()],
+            },
+        }

@@ -31,7 +31,7 @@ from autoweave._failopen import guard
 from autoweave._instances import dispatcher_of
 from autoweave._log import SUMMARY, logger, rank, world_size
 from autoweave._state import run
-from autoweave.planning import sources, strategies
+from autoweave.planning import plans, sources
 from autoweave.planning.plans import Action, Plan
 
 _WRAPPER_SEGMENTS = re.compile(r"(^|\.)(" + "|".join(_compat.modules.WRAPPED_CHILD_ATTRS) + r")(?=\.|$)")
@@ -43,7 +43,7 @@ _VERBS = {
     Action.WEAVE: "woven",
     Action.BOUNDARY: "boundary",
     Action.EAGER: "eager",
-    **strategies.VERBS,  # an AC wrapper's action, worded with its strategy
+    **plans.VERBS,  # an AC wrapper's action, worded with its strategy
 }
 
 

@@ -2,20 +2,35 @@
 
 A boundary's hooks stay eager; what happens to its inner forward is the
 planner's business. ``classify`` returns a short human reason, or ``None``.
+
+One number that changes whenever a compiled module's plan might: the tree-change signal.
+
+A plan depends on the module tree under the compile target (which children,
+which of them are FSDP units, what the user marked) and on what the run
+learned. Re-reading the tree at every forward costs time proportional to the
+number of submodules; instead each dispatcher remembers the generation it
+planned at and re-reads the tree only after the generation moved.
+
+This module only keeps the counter (on ``_state.run``). What moves it:
+``dispatch/tree_watch`` (a submodule registered into a watched module, a hook
+registered on one or removed, ``fully_shard`` running), autoweave's own marks (``boundary``, ``set_mode``,
+``register_boundary``) and what a run learns (``planning/learned``). A spurious
+bump costs one tree walk per compiled module; a missed one would keep a stale
+plan, so every source bumps.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch.nn as nn
 
 from autoweave import _compat
-from autoweave._instances import PRIOR as PRIOR  # re-exported: the mark on installed forwards
+from autoweave._instances import PRIOR as PRIOR
 from autoweave._instances import users_own
-from autoweave.planning import tree_changes
+from autoweave._state import run
 
 # A published entry-point group, never renamed with the module: third-party packages name
 # their boundary kinds under it; ``dispatch/plan_inputs`` loads them, before the first plan.
@@ -33,7 +48,7 @@ def boundary(module: nn.Module, reason: str = "marked with autoweave.boundary()"
     # object.__setattr__ keeps the mark out of nn.Module's attribute bookkeeping
     # (and out of state_dict).
     object.__setattr__(module, MARK, reason)
-    tree_changes.bump()
+    bump()
     return module
 
 
@@ -41,14 +56,14 @@ def register_boundary(predicate: Predicate, *, name: str | None = None) -> Predi
     """Register ``predicate(module) -> reason | True | None`` as a kind of boundary."""
     with _lock:
         _predicates.append((name or getattr(predicate, "__qualname__", repr(predicate)), predicate))
-    tree_changes.bump()
+    bump()
     return predicate
 
 
 def unregister_boundary(predicate: Predicate) -> None:
     with _lock:
         _predicates[:] = [(n, p) for n, p in _predicates if p is not predicate]
-    tree_changes.bump()
+    bump()
 
 
 def _hooks_disabled(module: nn.Module) -> bool:
@@ -101,3 +116,13 @@ def classify(module: nn.Module) -> str | None:
         if verdict:
             return verdict if isinstance(verdict, str) else f"registered boundary ({name})"
     return None
+
+
+def bump() -> None:
+    """Something a plan depends on may have changed."""
+    run.generation += 1
+
+
+def watch(modules: Iterable[Any]) -> None:
+    """A tree walk read ``modules``: a registration into any of them from now on bumps."""
+    run.watched.update(modules)

@@ -8,27 +8,73 @@ run goes, each from one block, and kept for every block like it:
   dynamo's cache for the checkpoint wrapper's code, so only the first block to
   compile logs the fallback; the others silently run the cached eager one.
 - memory verdicts (``memory``): what a block woven as pieces held at its first
-  call against eager selective AC. Kept by kind of block (``memory.kind``).
+  call against eager selective AC. Kept by kind of block (``kind``).
 - context verdicts (``traced_contexts``): whether a checkpoint traced inside a
   compiled graph can take a ``context_fn``. Kept per ``context_fn`` object.
 
 The tables live on ``_state.run`` (``_state.reset()`` forgets them) and are
 written and read only here. ``Learned.for_target`` turns them into one frozen
 value for a compile target; ``planner.plan`` reads nothing else of the run.
+
+Where dynamo broke a checkpointed region: its user stack, mapped to the modules that hold it.
+
+When dynamo cannot trace a checkpoint as one graph it logs (INFO) that it
+falls back to eager, then logs the ``Unsupported`` error itself, with the user's
+frames from the compiled frame down to the break (read by
+``observe.counting.FallbackCounter`` as ``FallbackBreak``s). The innermost frame
+that runs a module's forward names the module that breaks (``locate``): the planner
+then treats it as a boundary and compiles around it. What one block taught is kept
+by forward code (``planning/learned``).
+
+The activation memory a block woven as ``pieces`` holds, measured against eager selective AC's.
+
+``pieces`` keeps for backward every tensor that crosses a break and is needed
+there (the experts' input and output, the routing weights): whole-block eager
+selective AC would recompute them from the block's input. With a policy that
+saves the GEMM outputs that costs nothing (eager SAC keeps those too); with
+one that saves little it can cost several times eager SAC's memory. Which it
+is depends on the model, the break and the policy, so it is measured, once
+per kind of block, at the first call that builds a graph for backward:
+
+- what pieces hold: the bytes autograd saves during the block's forward. Every
+  piece is a compiled graph that checkpoints inside itself, so each tensor it
+  keeps passes through saved-tensor hooks installed around the call (none of
+  torch's eager checkpoints runs inside, whose own hooks would take precedence);
+  a storage counts once, parameters not at all (they are kept anyway);
+- what eager selective AC would hold: its checkpoint keeps the block's tensor
+  inputs, and its policy's saves (the outputs of the ops it saves, as the
+  pieces' tracing showed them to it).
+
+When pieces hold more than ``TOLERANCE`` times that, the block and every block
+of its kind is planned again from its next call with ``hoist``: eager AC around
+the compiled block holds at most eager SAC's memory. What that costs (it
+recomputes each compiled graph whole; with inductor its policy sees inductor's
+kernels, so it recomputes what full AC does) is in README "Limits" and
+``benchmarks/sac_memory.py``. When the caller's own saved-tensor hooks are in
+force around that first call (activation offloading, an eager checkpoint
+around the model), nothing is measured: ours would shadow theirs.
+
+This module is the judgement only (``Verdict``, the ``TOLERANCE`` rule, which
+blocks are of one ``kind``); the measure runs in ``weave/first_call_memory``
+and what it found is kept by ``planning/learned``.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import torch.nn as nn
+
+from autoweave import _compat
+from autoweave._compat.log_strings import Break
 from autoweave._state import run
-from autoweave.planning import tree_changes
-from autoweave.planning.learned_breaks import forward_code
-from autoweave.planning.memory import Verdict, kind
+from autoweave.planning import boundaries, sources
 
 _lock = threading.Lock()
 
@@ -79,7 +125,7 @@ class Learned:
 
 
 def learn_breaks(target: Any, located: Mapping[int, str]) -> None:
-    """Remember the forward code of each located module (ids from ``learned_breaks.locate``) as breaking."""
+    """Remember the forward code of each located module (ids from ``locate``) as breaking."""
     for module in target.modules():
         reason = located.get(id(module))
         if reason is not None:
@@ -111,7 +157,7 @@ def learn_verdict(wrapper: Any, verdict: Verdict) -> None:
     with _lock:
         run.learned_memory.setdefault(key, verdict)
     if verdict.hoist:
-        tree_changes.bump()  # the dispatchers holding blocks of this kind re-read their tree
+        boundaries.bump()  # the dispatchers holding blocks of this kind re-read their tree
 
 
 def verdict_of(module: Any) -> Verdict | None:
@@ -149,3 +195,177 @@ def context_verdict(context_fn: Any) -> Any:
 def learn_context(context_fn: Any, verdict: str | None) -> None:
     """Remember what ``context_fn`` was judged (``traced_contexts.why_not_traceable``)."""
     run.context_verdicts[id(context_fn)] = (context_fn, verdict)
+
+
+def _span(code: Any) -> tuple[str, int, int] | None:
+    lines = [line for _, _, line in code.co_lines() if line is not None] if hasattr(code, "co_lines") else []
+    if not lines:
+        return None
+    return os.path.abspath(code.co_filename), min(lines), max(lines)
+
+
+def _forward_span(module: nn.Module) -> tuple[str, int, int] | None:
+    code = forward_code(module)
+    return _span(code) if code is not None else None
+
+
+def locate(target: nn.Module, breaks: list[Break]) -> dict[int, str]:
+    """Modules of ``target`` (by id) whose own forward holds a break, with a reason naming file:line.
+
+    For each break, the innermost of its user frames (``sources.break_frames``)
+    inside a module's forward wins. Several instances of one class all match
+    (they run the same code).
+    """
+    import torch
+
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    spans: list[tuple[tuple[str, int, int], nn.Module]] = []
+    for _, module in target.named_modules():
+        span = _forward_span(module)
+        if span is not None and not span[0].startswith(torch_dir):  # wrappers' forwards are torch's
+            spans.append((span, module))
+    found: dict[int, str] = {}
+    for brk in breaks:
+        for frame in sources.break_frames(brk):
+            filename = os.path.abspath(frame.filename)
+            hits = [m for (f, first, last), m in spans if f == filename and first <= frame.lineno <= last]
+            if not hits:
+                continue
+            where = f"{os.path.basename(filename)}:{frame.lineno}"
+            for module in hits:
+                found.setdefault(id(module), f"graph break in its forward at {where} ({brk.reason})")
+            break
+    return found
+
+
+def forward_code(module: nn.Module) -> Any:
+    """The code object of ``module``'s user forward (what identical blocks share), or None."""
+    forward = boundaries.user_forward(module)
+    return getattr(getattr(forward, "__func__", forward), "__code__", None)
+
+
+# Pieces may hold this much more than eager SAC before the block is planned with hoist.
+TOLERANCE = 1.05
+
+
+def size_text(size: int) -> str:
+    """``0.61 MB``, or ``13.7 KB`` below a megabyte."""
+    return f"{size / 2**20:.2f} MB" if size >= 2**20 else f"{size / 2**10:.1f} KB"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One measured first call of a block woven as pieces."""
+
+    held: int | None  # bytes the pieces kept for backward (None: not measured on this rank)
+    eager_sac: int | None  # bytes eager selective AC would keep (None: cannot be told)
+    failed: tuple[str, ...] = ()  # why pieces autoweave could not compile ran eager instead
+    # Another rank running the block measured a hoist verdict (``dispatch/agreement``): its data
+    # differ (a longer sequence); every rank plans the block alike, or they could hang.
+    elsewhere: bool = False
+
+    @property
+    def hoist_here(self) -> bool:
+        """This rank's measure says hoist: pieces ran eager, or hold more than eager SAC would."""
+        if self.failed:
+            return True
+        return self.held is not None and self.eager_sac is not None and self.held > self.eager_sac * TOLERANCE
+
+    @property
+    def hoist(self) -> bool:
+        """Plan the block with ``hoist`` instead: this rank's measure says so, or another rank's did."""
+        return self.hoist_here or self.elsewhere
+
+    def describe(self) -> str:
+        if self.elsewhere and not self.hoist_here:
+            return (
+                f"another rank running it measured that it should be planned with hoist; here {self._here()}"
+            )
+        return self._here()
+
+    def _here(self) -> str:
+        if self.failed:
+            return f"{len(self.failed)} of its pieces ran eager under their checkpoint: {self.failed[0]}"
+        if self.held is None:
+            return "not measured (saved-tensor hooks were in force around its first call)"
+        if self.eager_sac is None:
+            return f"pieces hold {size_text(self.held)} for backward (eager selective AC's could not be told)"
+        return (
+            f"pieces hold {size_text(self.held)} for backward, eager selective AC "
+            f"{size_text(self.eager_sac)} (its input and its policy's saves)"
+        )
+
+
+# -- what one block taught its kind ---------------------------------------------------------
+
+
+def identity(value: Any, _depth: int = 0) -> Any:
+    """A hashable key for a policy or option value: equal for the same functions, partials and constants.
+
+    Closures made by one factory per block (a ``context_fn`` built per layer, as
+    torchtitan's and NeMo's recipes build them) are equal when they run the same
+    code over equal captured values (``_captured``): blocks that differ only in
+    such a closure then share one compiled region, where a key by object kept
+    every block apart, compiling each on its own.
+    """
+    if _depth > 8:
+        return ("deep", id(value))
+    func = getattr(value, "func", None)
+    if func is not None:  # functools.partial: the function and its arguments
+        return (
+            "partial",
+            identity(func, _depth + 1),
+            tuple(identity(a, _depth + 1) for a in value.args),
+            identity(value.keywords, _depth + 1),
+        )
+    if isinstance(value, dict):
+        return tuple(sorted((k, identity(v, _depth + 1)) for k, v in value.items()))
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return value
+    if isinstance(value, types.FunctionType) and value.__closure__:
+        return (
+            "closure",
+            id(value.__code__),
+            id(value.__globals__),
+            tuple(_captured(cell, _depth + 1) for cell in value.__closure__),
+            _captured_value(value.__defaults__, _depth + 1),
+        )
+    return id(value)
+
+
+def _captured(cell: Any, depth: int) -> Any:
+    try:
+        contents = cell.cell_contents
+    except ValueError:  # a cell not filled yet
+        return ("empty",)
+    return _captured_value(contents, depth)
+
+
+def _captured_value(value: Any, depth: int) -> Any:
+    """A captured value's key: constants and frozen collections by value, anything mutable by object.
+
+    A dict, a list or any object a closure captures may be state it changes
+    (a per-block counter): two closures are equal only when they share it. A
+    set (a policy's op list) or tuple is read-only in practice and compared by
+    its items.
+    """
+    if isinstance(value, (tuple, frozenset, set)) and len(value) <= 256:
+        items = [_captured_value(item, depth + 1) for item in value]
+        if isinstance(value, tuple):
+            return ("tuple", tuple(items))
+        try:
+            return ("set", frozenset(items))
+        except TypeError:
+            return id(value)
+    if isinstance(value, dict):
+        return id(value)
+    return identity(value, depth)
+
+
+def kind(wrapper: Any) -> tuple | None:
+    """Blocks of one kind hold the same for backward: same code, parameter shapes and checkpoint."""
+    inner = _compat.modules.children_of(wrapper).get(_compat.modules.CHECKPOINT_WRAPPED)
+    if inner is None:
+        return None
+    shapes = tuple((name, tuple(p.shape), p.dtype) for name, p in inner.named_parameters())
+    return (type(inner), shapes, identity(_compat.modules.checkpoint_fn(wrapper)))

@@ -21,15 +21,14 @@ from autoweave._failopen import warn_each
 from autoweave._instances import install_forward, restore_forward
 from autoweave._log import logger
 from autoweave._state import run
-from autoweave.planning import memory, wrappers
+from autoweave.planning import learned, wrappers
 from autoweave.planning.boundaries import own_forward, user_forward
 from autoweave.planning.learned import verdict_of
 from autoweave.planning.plans import Action, Plan
-from autoweave.weave.code_copy import on_own_code
+from autoweave.weave import on_own_code
 from autoweave.weave.first_call_memory import FirstCall
 from autoweave.weave.keep_checkpoint import AtRecompileLimit, PiecesBlock
-from autoweave.weave.pieces import CheckpointPieces
-from autoweave.weave.region_backend import RegionBackend, region_kwargs
+from autoweave.weave.pieces import CheckpointPieces, RegionBackend, region_kwargs
 from autoweave.weave.shared_kinds import Install, KindRegion
 
 _labels = itertools.count()
@@ -53,7 +52,7 @@ def _backend_kwargs(
     return region_kw, region_kw["backend"]
 
 
-# Every region runs on a code object of its own (``_codegen.on_own_code``):
+# Every region runs on a code object of its own (``autoweave.weave.on_own_code``):
 # Dynamo keeps its cache (and its recompile limit, 8) per code object. Compiling
 # every region through one shared function (``Module._call_impl``, a class's
 # ``forward``) puts unrelated modules in one cache: same-class siblings with
@@ -127,8 +126,8 @@ def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]
         None
         if spec is None
         else (
-            memory.identity(getattr(spec.checkpoint_fn, "func", None)),
-            memory.identity(getattr(spec.checkpoint_fn, "keywords", {})),
+            learned.identity(getattr(spec.checkpoint_fn, "func", None)),
+            learned.identity(getattr(spec.checkpoint_fn, "keywords", {})),
         )
     )
     return (
@@ -138,7 +137,7 @@ def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]
         decision.action,
         decision.pieces,
         checkpoint,
-        memory.identity(compile_kwargs),
+        learned.identity(compile_kwargs),
     )
 
 
@@ -167,7 +166,7 @@ def _hook_identity(hook: Any) -> Any:
     original = _compat.dynamo.disabled_original(hook)
     if original is not None:
         return ("dynamo-disabled", _hook_identity(original))
-    return memory.identity(hook)
+    return learned.identity(hook)
 
 
 def uniform_hook(hook: Any) -> bool:
@@ -232,7 +231,7 @@ def _without_checkpoint(wrapper: nn.Module) -> Callable[..., Any]:
 
     Under ``torch.compiler.set_stance("force_eager")`` the pieces run as the user's
     code, without the checkpoint they carry: the wrapper then checkpoints, as it does
-    in plain torch (eager selective AC's memory, not a forward that keeps everything),
+    in plain torch (eager selective AC's learned, not a forward that keeps everything),
     and its recompute runs eager too, whatever the stance when backward runs.
     """
     import torch
@@ -431,7 +430,7 @@ def _measuring_first_call(
         forward = _without_checkpoint(module)
         return _compat.dynamo.disable(forward, recursive=True) if decision.opaque else forward
 
-    def done(verdict: memory.Verdict | None) -> None:
+    def done(verdict: learned.Verdict | None) -> None:
         # Said under the block's own region (the inner module), else under the first piece's.
         inner = applied.regions.get(f"{decision.path}.{_compat.modules.CHECKPOINT_WRAPPED}".lstrip("."))
         backend = next((p for p in pieces if p.label == inner), pieces[0] if pieces else None)

@@ -27,7 +27,7 @@ from autoweave import _compat
 from autoweave._log import logger
 from autoweave._state import run
 from autoweave.planning import learned
-from autoweave.planning.memory import Verdict
+from autoweave.planning.learned import Verdict
 
 
 class _Storages:

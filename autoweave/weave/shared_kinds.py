@@ -13,7 +13,7 @@ guard on it, and one region serves every layer.
 
 So the split is decided on dynamo's evidence, not on what the bytecode mentions:
 after each compile of the kind, the guards of its cache entries (and of the
-resume functions it broke into) are read (``_compat.guards.guarded_attributes``); a
+resume functions it broke into) are read (``_compat.backends.guarded_attributes``); a
 public number or flag of the block's modules that dynamo guards on becomes part
 of the kind's key, and each value gets a region of its own (its own code
 object, so its own cache and recompile limit). Blocks move at the next compile of
@@ -118,7 +118,7 @@ class KindRegion:
             backend.before_graph.append(self._read_guards)
 
     def _read_guards(self) -> None:
-        guarded = frozenset().union(*(_compat.guards.guarded_attributes(fn) for _, fn, _, _ in self._all))
+        guarded = frozenset().union(*(_compat.backends.guarded_attributes(fn) for _, fn, _, _ in self._all))
         names = self._split_names | (guarded & {name for _, name, _ in self._first or ()})
         if names == self._split_names:
             return

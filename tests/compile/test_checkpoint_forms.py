@@ -26,7 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import autoweave
 from autoweave import _compat, _instances
 from autoweave.dispatch import dispatchers
-from autoweave.weave import decorated_checkpoints
+from autoweave.weave import keep_checkpoint
 from benchmarks.measure import forward_gemms_outside_graphs
 from tests.break_models import fsdp_like
 from tests.models import saved_bytes
@@ -130,14 +130,14 @@ def test_an_instance_decorated_forward_and_its_keyword_arguments_are_kept_and_re
     eager = copy.deepcopy(model)
     x = torch.randn(8, DIM, requires_grad=True)
     # A keyword argument reaches the forward, never checkpoint's own options.
-    decorated_checkpoints.make_traceable(model)
+    keep_checkpoint.make_traceable(model)
     torch.testing.assert_close(model(x, scale=0.5), eager(x, scale=0.5))
-    assert decorated_checkpoints.make_traceable(model) == 0  # idempotent: already in the call form
-    decorated_checkpoints.restore(model)
+    assert keep_checkpoint.make_traceable(model) == 0  # idempotent: already in the call form
+    keep_checkpoint.restore(model)
     assert model.forward is decorated and set(model.__dict__) == set(eager.__dict__)
     plain_class = SelectiveAC(fsdp=False)
-    decorated_checkpoints.make_traceable(plain_class)
-    decorated_checkpoints.restore(plain_class)
+    keep_checkpoint.make_traceable(plain_class)
+    keep_checkpoint.restore(plain_class)
     assert "forward" not in plain_class.__dict__
 
 

@@ -138,7 +138,7 @@ def test_a_frame_dynamo_will_not_convert_is_read_with_its_error() -> None:
     compiled = torch.compile(lambda x: x.sin() + 1, backend=failing_backend)
 
     def run() -> None:
-        with _compat.conversion.suppressing_errors() as suppressing:
+        with _compat.dynamo.suppressing_errors() as suppressing:
             assert suppressing
             compiled(torch.randn(4))
 

@@ -212,7 +212,7 @@ def _checkpointed_graphs(fn, *args) -> list[bool]:
     """Compile ``fn`` through a pieces ``RegionBackend``: for each piece, did it reach the backend wrapped?"""
     from torch.utils.checkpoint import checkpoint
 
-    from autoweave.weave.region_backend import RegionBackend
+    from autoweave.weave.pieces import RegionBackend
 
     wrapped = []
 

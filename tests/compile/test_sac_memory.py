@@ -2,7 +2,7 @@
 
 ``pieces`` keeps the tensors that cross a break for backward; under a policy that saves little that
 is several times eager SAC's activation memory. The default measures it at a block's first call
-(``autoweave.planning.memory``) and plans the block with ``hoist`` when pieces hold more than eager SAC.
+(``autoweave.planning.learned``) and plans the block with ``hoist`` when pieces hold more than eager SAC.
 
 Memory is the C heap in use after the forward minus before it (``benchmarks.measure.heap_in_use``):
 every CPU tensor the forward leaves behind, whoever holds it (autograd's saved tensors, a

@@ -3,7 +3,7 @@
 NeMo Automodel's ``apply_ac`` returns torch's SAC contexts wrapped in ordinary context managers.
 Under ``pieces`` every piece raised inside its trace and ran eager (as many eager forward GEMMs
 as plain torch's fallback); the planner now tells it from what the ``context_fn`` returns
-(``autoweave.planning.traced_contexts``) and plans those blocks with eager AC around the compile.
+(``autoweave.planning.checkpoint_calls``) and plans those blocks with eager AC around the compile.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import autoweave
 from autoweave._state import run
-from autoweave.dispatch import context_probe, dispatchers
+from autoweave.dispatch import dispatchers, plan_inputs
 from autoweave.observe import counting
 from autoweave.planning.plans import Action
 from benchmarks.measure import forward_gemms_outside_graphs
@@ -71,7 +71,7 @@ def test_a_traceable_context_fn_of_its_own_keeps_pieces():
     def own_context_fn():  # a plain function returning torch's contexts: traceable
         return create_selective_checkpoint_contexts(bm.save_matmuls)
 
-    assert context_probe.probe(own_context_fn) is None
+    assert plan_inputs.probe(own_context_fn) is None
     model = _model(own_context_fn)
     _train(model, "aot_eager")
     assert dispatchers.dispatcher_of(model.layers[0]).plan.decision("").action is Action.PIECES
@@ -85,14 +85,14 @@ def test_torchs_factory_is_not_called_to_be_judged():
         return bm.save_matmuls(ctx, op, *args, **kwargs)
 
     context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
-    assert context_probe.probe(context_fn) is None
+    assert plan_inputs.probe(context_fn) is None
 
 
 def test_a_context_fn_that_raises_is_not_judged_and_raises_as_plain_torch_does():
     def raising():
         raise ValueError("the user's context_fn")
 
-    assert context_probe.probe(raising) is None
+    assert plan_inputs.probe(raising) is None
 
 
 def test_explain_and_plan_say_hoist_for_a_wrapped_context_fn():
@@ -101,7 +101,7 @@ def test_explain_and_plan_say_hoist_for_a_wrapped_context_fn():
     assert plan.decision("").action is Action.HOIST
     # A strategy that never traces the checkpoint does not call the user's context_fn.
     bm.wrapped_context_fn.calls = 0
-    assert context_probe.untraceable(block, strategy="hoist") == {}
+    assert plan_inputs.untraceable(block, strategy="hoist") == {}
     assert bm.wrapped_context_fn.calls == 0
 
 

@@ -8,7 +8,7 @@ import torch
 
 from autoweave import _compat
 from autoweave.observe import report
-from autoweave.weave.region_backend import RegionBackend
+from autoweave.weave.pieces import RegionBackend
 
 
 def _backend(gm, example_inputs):  # pragma: no cover - never compiled here

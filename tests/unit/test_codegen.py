@@ -1,4 +1,4 @@
-"""Code-object synthesis (``autoweave.weave.code_copy``) on every Python this machine has.
+"""Code-object synthesis (``autoweave.weave.on_own_code``) on every Python this machine has.
 
 The torch wheel here is for 3.11 only, so the other Pythons run the synthesis
 alone (it is standard library only): a copy named after its region, with the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-CODEGEN = Path(__file__).resolve().parents[2] / "autoweave" / "weave" / "code_copy.py"
+CODEGEN = Path(__file__).resolve().parents[2] / "autoweave" / "weave" / "__init__.py"
 
 PROBE = r"""
 import importlib.util, sys

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     # Start-up, standard library only: the post-import hooks (hooks named by string).
-    ("_autoweave_start", "autoweave._importhook"),
+    ("_autoweave_start",),
     # Foundations, at the package root, standard library only (``_compat`` imports torch lazily):
     # settings, run-time state, the install registry, what autoweave attaches to instances,
     # torch names, logging, dynamo's loggers, fail-open.
@@ -33,10 +33,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave._compat.lookup",
         "autoweave._compat.modules",
         "autoweave._compat.checkpoints",
-        "autoweave._compat.dynamo",
-        "autoweave._compat.guards",
         "autoweave._compat.backends",
-        "autoweave._compat.conversion",
+        "autoweave._compat.dynamo",
         "autoweave._compat.log_strings",
         "autoweave._compat.version",
         "autoweave._compat",
@@ -51,27 +49,18 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # then the plan's data types, the tree read for one pass, the strategies and the planner's walk.
     (
         "autoweave.planning",
-        "autoweave.planning.tree_changes",
         "autoweave.planning.sources",
-        "autoweave.planning.checkpoint_calls",
         "autoweave.planning.wrappers",
         "autoweave.planning.boundaries",
-        "autoweave.planning.learned_breaks",
-        "autoweave.planning.memory",
-        "autoweave.planning.traced_contexts",
+        "autoweave.planning.checkpoint_calls",
         "autoweave.planning.learned",
         "autoweave.planning.plans",
-        "autoweave.planning.tree",
-        "autoweave.planning.strategies",
         "autoweave.planning.planner",
     ),
     # weave/: the side effects, the only code that changes modules.
     (
         "autoweave.weave",
-        "autoweave.weave.code_copy",
         "autoweave.weave.pieces",
-        "autoweave.weave.region_backend",
-        "autoweave.weave.decorated_checkpoints",
         "autoweave.weave.first_call_memory",
         "autoweave.weave.shared_kinds",
         "autoweave.weave.keep_checkpoint",
@@ -83,26 +72,19 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.observe",
         "autoweave.observe.counting",
         "autoweave.observe.graph_breaks",
-        "autoweave.observe.torch_logs",
         "autoweave.observe.summary",
-        "autoweave.observe.compile_callbacks",
         "autoweave.observe.trace",
-        "autoweave.observe.report_stats",
         "autoweave.observe.report",
         "autoweave.observe.report_exit",
-        "autoweave.observe.subscriptions",
     ),
     # dispatch/: the hot path. The tree watch, the context probe and the planner's inputs, dispatchers
     # behind compiled modules, the routes, the patches on torch.
     (
         "autoweave.dispatch",
         "autoweave.dispatch.tree_watch",
-        "autoweave.dispatch.context_probe",
         "autoweave.dispatch.plan_inputs",
-        "autoweave.dispatch.agreement",
         "autoweave.dispatch.states",
         "autoweave.dispatch.dispatchers",
-        "autoweave.dispatch.routes",
         "autoweave.dispatch.patches",
     ),
     # Wiring and entry points: start-up, the command-line tools, the public API.
@@ -111,7 +93,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.cli",
         "autoweave.cli.explainer",
         "autoweave.cli.doctor",
-        "autoweave.cli.run",
         "autoweave",
         "autoweave.__main__",
     ),

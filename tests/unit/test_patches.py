@@ -17,9 +17,9 @@ import torch.nn as nn
 import wrapt
 
 import autoweave
-from autoweave import _importhook, _settings, startup
+from autoweave import _installs, _settings, startup
 from autoweave._settings import Settings
-from autoweave.dispatch import dispatchers, patches, routes
+from autoweave.dispatch import dispatchers, patches
 
 ALL_PATCHES = ["checkpoint_wrapper", "compile", "module_compile"]
 
@@ -162,7 +162,7 @@ def test_the_routes_receive_the_call_and_its_arguments(monkeypatch: pytest.Monke
         return record
 
     for name in ("route_compile", "route_module_compile", "route_checkpoint_wrapper"):
-        monkeypatch.setattr(routes, name, spy(getattr(routes, name)))
+        monkeypatch.setattr(patches, name, spy(getattr(patches, name)))
     autoweave.enable()
     linear = nn.Linear(2, 2)
     compiled = torch.compile(linear, backend="eager", dynamic=False)
@@ -208,10 +208,10 @@ def test_enable_disable_enable_leaves_one_layer() -> None:
 
 
 def test_disable_restores_identity_and_hooks() -> None:
-    import _autoweave_start as hooks  # the one finder, which autoweave._importhook re-exports
+    import _autoweave_start as hooks  # the one finder, which autoweave._installs re-exports
 
     autoweave.enable()
-    assert hooks._finder in sys.meta_path and _importhook.registered("torch")
+    assert hooks._finder in sys.meta_path and _installs.registered("torch")
     autoweave.disable()
     assert_originals()
     assert hooks._finder not in sys.meta_path
@@ -312,9 +312,9 @@ def test_disabled_context_nests_and_resets_on_error() -> None:
     with pytest.raises(RuntimeError), autoweave.disabled():
         with autoweave.disabled():
             pass
-        assert routes._off.get()
+        assert patches._off.get()
         raise RuntimeError("boom")
-    assert not routes._off.get()
+    assert not patches._off.get()
 
 
 def test_functions_pass_straight_through() -> None:

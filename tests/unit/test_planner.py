@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autoweave.planning import boundaries, planner, strategies
+from autoweave.planning import boundaries, planner, plans
 from autoweave.planning.learned import Learned
 from autoweave.planning.plans import Action
 
@@ -425,7 +425,7 @@ _REENTRANT_SAC = planner.CheckpointSpec(selective=True, reentrant=True, options=
 def test_the_resolver_picks_one_strategy_with_its_reason(spec, asked, context, expected, why):
     context = dict(context)
     untraceable = context.pop("untraceable", None)
-    resolved = strategies.resolve(spec, asked=asked, untraceable=lambda: untraceable, **context)
+    resolved = plans.resolve(spec, asked=asked, untraceable=lambda: untraceable, **context)
     assert resolved.strategy.name == expected
     assert (why in resolved.why) if why else resolved.why == ""
 
@@ -437,9 +437,9 @@ def test_the_resolver_asks_about_the_context_fn_only_where_it_matters():
         asked.append(1)
 
     for spec, strategy in ((_FULL, "auto"), (_SELECTIVE, "hoist"), (_CUSTOM, "pieces")):
-        strategies.resolve(spec, asked=strategy, untraceable=untraceable)
+        plans.resolve(spec, asked=strategy, untraceable=untraceable)
     assert asked == []  # a probe calls the user's context_fn: not for a strategy that never traces it
-    strategies.resolve(_SELECTIVE, asked="auto", untraceable=untraceable)
+    plans.resolve(_SELECTIVE, asked="auto", untraceable=untraceable)
     assert asked == [1]
 
 
@@ -454,4 +454,4 @@ def test_the_resolver_asks_about_the_context_fn_only_where_it_matters():
     ],
 )
 def test_an_ac_outside_the_compile_moves_in_or_stays_outside(spec, asked, expected):
-    assert strategies.resolve_outer(spec, asked=asked).strategy.name == expected
+    assert plans.resolve_outer(spec, asked=asked).strategy.name == expected
