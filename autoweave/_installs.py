@@ -80,11 +80,6 @@ def install(key: str, apply: Callable[[], Undo | None], undo: Undo | None = None
     return True
 
 
-def installed(key: str) -> bool:
-    with _lock:
-        return key in _undos
-
-
 def keys() -> list[str]:
     """What is installed now, oldest first (the keys name each install for people)."""
     with _lock:

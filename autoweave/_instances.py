@@ -86,20 +86,10 @@ def install_stand_in(module: Any, forward: Any) -> None:
     """Put ``forward`` on ``module`` in place of the user's own forward (instance or class).
 
     Planning reads it as the user's code; a pickle or copy of ``module`` gets
-    the user's forward back. ``remove_stand_in`` undoes it.
+    the user's forward back.
     """
     setattr(forward, STANDS_IN, module.__dict__.get("forward"))
     _put(module, forward)
-
-
-def remove_stand_in(module: Any) -> bool:
-    """Undo ``install_stand_in`` if its stand-in is the instance forward; True if it was."""
-    with _lock:
-        forward = module.__dict__.get("forward")
-        if not stands_in(forward):
-            return False
-    restore_forward(module, getattr(forward, STANDS_IN))
-    return True
 
 
 def _put(module: Any, forward: Any) -> None:

@@ -74,11 +74,6 @@ def world_size() -> int:
     return 1 if value is None else value
 
 
-def distributed() -> bool:
-    """Did this process join a job (process group seen, or ``RANK`` set by a launcher)?"""
-    return _from_process_group() is not None or _from_environ("RANK") is not None
-
-
 class _RankFilter(logging.Filter):
     # A filter, not a format string baked at attach time: the handler is often
     # attached before the process group exists, and the rank must be right for

@@ -36,7 +36,7 @@ A module compiled through autoweave whose ``forward`` is such a function gets an
 **options)`` with the decorator's options, so it is planned and compiled as any block that
 checkpoints in its forward (a break inside is woven around). Only the instance attribute
 changes, through ``_instances`` (a pickle or copy sheds it): the class, parameters and
-``state_dict`` are untouched, and ``restore`` undoes it.
+``state_dict`` are untouched, and a pickle or copy gets the decorated forward back.
 """
 
 from __future__ import annotations
@@ -175,7 +175,6 @@ def _call_form(module: nn.Module, decorated: Any, options: dict[str, Any]) -> An
         # Keyword arguments are bound here: they must not be read as checkpoint's own options.
         return checkpoint(functools.partial(function, **kwargs) if kwargs else function, *args, **options)
 
-    forward.decorated = decorated  # type: ignore[attr-defined]  # what ``restore`` puts back
     return forward
 
 
@@ -224,9 +223,3 @@ def _options(given: dict[str, Any]) -> dict[str, Any]:
 
 
 _UNSET = object()
-
-
-def restore(root: nn.Module) -> None:
-    """Put back each decorated forward ``make_traceable`` replaced under ``root``."""
-    for module in root.modules():
-        _instances.remove_stand_in(module)
