@@ -18,10 +18,10 @@ from typing import Any
 
 class RunState:
     def __init__(self, generation: int = 0) -> None:
-        # Bumped whenever a module tree may have changed (see ``_changes``);
+        # Bumped whenever a module tree may have changed (see ``planning/boundaries``);
         # dispatchers re-read their tree only when it moved.
         self.generation = generation
-        # _changes: every module a dispatcher's tree walk read; only registrations
+        # planning/boundaries: every module a dispatcher's tree walk read; only registrations
         # into these move the counter (a slice's fresh ModuleList is not one).
         self.watched: weakref.WeakSet[Any] = weakref.WeakSet()
         # _failopen: the one internal-error warning, and the per-key warnings given.
@@ -41,24 +41,24 @@ class RunState:
         # pieces: region label -> what its compile had to do differently (a piece left
         # unchecked, say), for the plan log and the report.
         self.region_notes: dict[str, list[str]] = {}
-        # region_backend: region label -> (graphs compiled, graphs run eager) its backend was
+        # weave/pieces (RegionBackend): region label -> (graphs compiled, graphs run eager) its backend was
         # handed; a label is here from its backend's making (the plan summary says what ran).
         self.region_graphs: dict[str, tuple[int, int]] = {}
-        # plan_log: id(dispatcher) -> its latest plan entry; not yet summarised; a summary waiting.
+        # observe/summary: id(dispatcher) -> its latest plan entry; not yet summarised; a summary waiting.
         self.plans: dict[int, Any] = {}
         self.unsummarised: list[int] = []
         self.summary_pending = False
         self.summarised: dict[int, Any] = {}  # id(dispatcher) -> the entry the last summary showed
         # first_call_memory: the pieces blocks' measures (``FirstCall``); the summary waits for them.
         self.measuring: weakref.WeakSet[Any] = weakref.WeakSet()
-        # plan_log: each model (root module) a plan was found in -> (its class, index among that class's).
+        # observe/summary: each model (root module) a plan was found in -> (its class, index among that class's).
         self.models: weakref.WeakKeyDictionary[Any, tuple[str, int]] = weakref.WeakKeyDictionary()
-        # _trace: region label -> what its structured-trace artifact says.
+        # observe/trace: region label -> what its structured-trace artifact says.
         self.trace_regions: dict[str, dict[str, Any]] = {}
         # report: the label each plain compile autoweave routed is counted under.
         self.plain_labels: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self.plain_count = 0
-        # runtime: every dispatcher alive, told to re-plan when another learns a break.
+        # dispatch/dispatchers: every dispatcher alive, told to re-plan when another learns a break.
         self.live: weakref.WeakSet[Any] = weakref.WeakSet()
 
 

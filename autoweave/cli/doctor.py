@@ -77,25 +77,24 @@ def check_torch(version: str | None, untested: str | None = None) -> Check:
     if untested is None:
         untested = _settings.Settings.from_environ().untested_torch
     try:
-        version_tuple = _compat.version.torch_version(version)
+        support = _compat.version.torch_support(version, untested=untested, check=list)
     except _compat.lookup.UnsupportedTorch as exc:
         return Check(FAIL, f"torch {version}", str(exc), requirement)
-    if version_tuple < low:
+    if not support.untested and not support.on:
         return Check(
             FAIL,
             f"torch {version}",
             f"{tested}; with AUTOWEAVE=1 autoweave says so at start-up and stays off",
             f"install a supported torch ({requirement}), or unset AUTOWEAVE",
         )
-    if version_tuple > high:
-        if untested == "off":
-            return Check(
-                FAIL,
-                f"torch {version} (newer than tested)",
-                f"{tested}; {_settings.AUTOWEAVE_UNTESTED_TORCH}=off keeps autoweave off on it",
-                f"unset {_settings.AUTOWEAVE_UNTESTED_TORCH} to let autoweave check this torch, "
-                f"or {requirement}",
-            )
+    if support.untested and not support.on:  # AUTOWEAVE_UNTESTED_TORCH=off (nothing is checked here)
+        return Check(
+            FAIL,
+            f"torch {version} (newer than tested)",
+            f"{tested}; {_settings.AUTOWEAVE_UNTESTED_TORCH}=off keeps autoweave off on it",
+            f"unset {_settings.AUTOWEAVE_UNTESTED_TORCH} to let autoweave check this torch, or {requirement}",
+        )
+    if support.untested:
         return Check(
             WARN,
             f"torch {version} (newer than tested)",
@@ -117,23 +116,13 @@ def check_versions() -> list[Check]:
     )
     checks.append(check_torch(_version("torch")))
     wrapt_version = _version("wrapt")
-    if wrapt_version is None:
-        checks.append(
-            Check(
-                FAIL, "wrapt is not installed", "needed to patch torch", "pip install 'wrapt>=1.14,!=2.2.0'"
-            )
-        )
-    elif _tuple(wrapt_version) < (1, 14) or _tuple(wrapt_version) == (2, 2, 0):
-        checks.append(
-            Check(
-                FAIL,
-                f"wrapt {wrapt_version}",
-                "supported: >=1.14, not 2.2.0",
-                "pip install 'wrapt>=1.14,!=2.2.0'",
-            )
-        )
+    supported = "supported: >=1.14, not 2.2.0"
+    if wrapt_version is None or _tuple(wrapt_version) < (1, 14) or _tuple(wrapt_version) == (2, 2, 0):
+        title = "wrapt is not installed" if wrapt_version is None else f"wrapt {wrapt_version}"
+        detail = "needed to patch torch" if wrapt_version is None else supported
+        checks.append(Check(FAIL, title, detail, "pip install 'wrapt>=1.14,!=2.2.0'"))
     else:
-        checks.append(Check(OK, f"wrapt {wrapt_version}", "supported: >=1.14, not 2.2.0"))
+        checks.append(Check(OK, f"wrapt {wrapt_version}", supported))
     return checks
 
 

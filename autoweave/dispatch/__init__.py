@@ -1,1 +1,1 @@
-"""The hot path: the patches on torch (the install registry), the routes they call, the dispatchers behind compiled modules."""
+"""The hot path: the patches on torch and the routes behind them, the dispatchers behind compiled modules."""

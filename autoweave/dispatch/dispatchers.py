@@ -465,10 +465,6 @@ class _Dispatcher:
 
     # Deciding ---------------------------------------------------------------------------
 
-    def _mode_and_strategy(self) -> tuple[str, str]:
-        """The weave mode and AC strategy for this target: ``set_mode`` first, then the settings."""
-        return _settings.mode_and_strategy(self.target)
-
     def _decide(self, fingerprint: tuple) -> None:
         """Plan the target as it is now (the first call, or a changed tree) and enter what the plan says."""
         why = Why.PLANNED if self._fingerprint is None and not self.history else Why.TREE_CHANGED
@@ -479,7 +475,7 @@ class _Dispatcher:
             self.plan = None
             self._enter(State.PLAIN, Why.OFF)
             return
-        mode, _ = self._mode_and_strategy()
+        mode, _ = _settings.mode_and_strategy(self.target)  # ``set_mode`` first, then the settings
         with guard(f"planning {type(self.target).__name__}") as failed:
             self._apply(self._plan(self._learned), why)
         if failed:

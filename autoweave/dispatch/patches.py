@@ -1,13 +1,13 @@
-"""The wrappers autoweave puts on torch: each one an install in ``autoweave._installs``.
+"""The wrappers autoweave puts on torch, and where each call they catch goes.
 
-Each patch is (owner, attribute, original, wrapper), installed with its undo.
-Applying twice is a no-op; the undo restores the original only if our wrapper
-is still on top, and otherwise leaves both, switches ours to pass calls
-straight through and says so once (``[patch-shadowed]``). The wrappers do
-nothing but route the call to ``routes``.
+Each patch is (owner, attribute, original, wrapper), installed with its undo in
+``autoweave._installs``. Applying twice is a no-op; the undo restores the
+original only if our wrapper is still on top, and otherwise leaves both,
+switches ours to pass calls straight through and says so once
+(``[patch-shadowed]``). The wrappers do nothing but route the call
+(``route_compile``, ``route_module_compile``, ``route_checkpoint_wrapper``).
 
 The routing point: every compile and checkpoint_wrapper request passes through here.
-
 ``torch.compile(module)`` still returns an ``OptimizedModule`` and
 ``module.compile()`` still compiles in place; what changes is that a dispatcher
 (``dispatchers``) is attached, which defers the decision to the first forward.

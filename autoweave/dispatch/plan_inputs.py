@@ -11,14 +11,13 @@ strategy and what the run learned, the same way for every caller, so
 
 The side effects planning needs happen here, not in ``planning/``: the boundary
 plug-ins are loaded (once, before the first plan) and the checkpoints'
-``context_fn``s are probed (lazily, at the planner's first lookup).
+``context_fn``s are probed (lazily, at the planner's first lookup), and what one
+rank's data taught is agreed with the ranks beside it.
 
-Every rank makes the same decisions: what one rank's data taught is agreed with the ranks beside it.
-
-Two decisions are made from what a rank observes, and ranks see different data
+**Every rank makes the same decisions** (``groups_running``, ``any_rank``). Two decisions are made from what a rank observes, and ranks see different data
 (sequence lengths differ per rank in real jobs):
 
-- a learned break (``planning/learned_breaks``): dynamo falls back on the
+- a learned break (``planning/learned``): dynamo falls back on the
   checkpoint only on the rank whose data took the path that breaks;
 - the first-call memory verdict of a ``pieces`` block (``weave/first_call_memory``):
   what the pieces hold against eager selective AC depends on the length the rank saw.
@@ -57,9 +56,8 @@ is safe there. A graph or frame that fails to compile on one rank runs eager on
 that rank alone, as plain torch does (``[graph-eager]``, ``[region-eager]``), and
 so does a pieces block past dynamo's recompile limit (``keep_checkpoint``).
 
-The probe of a checkpoint's ``context_fn``: called once, outside any trace, to see what it returns.
-
-``planning/traced_contexts`` judges the returned value; this module is the only
+**The probe of a checkpoint's ``context_fn``** (``probe``, ``Lazily``): called once, outside any
+trace, to see what it returns. ``planning/checkpoint_calls`` judges the returned value; this is the only
 place that calls the user's ``context_fn`` for it. Plain torch calls it at every
 checkpointed forward, so one more call before the first one changes nothing a
 ``context_fn`` may rely on (it must hand out fresh contexts per call). One that

@@ -1,6 +1,6 @@
 """What moves the tree-change signal from outside autoweave: registrations, and ``fully_shard``.
 
-``planning/tree_changes`` keeps the counter; this module installs the two
+``planning/boundaries`` keeps the counter; this module installs the two
 watches that bump it, each through the install registry with its undo:
 
 - a submodule registered into a module some compiled tree was read from
@@ -19,7 +19,7 @@ watches that bump it, each through the install registry with its undo:
 
 Registrations that change no compiled tree do not bump:
 
-- into a module no tree walk has read (``tree_changes.watch``): a fresh
+- into a module no tree walk has read (``boundaries.watch``): a fresh
   container, such as the ``ModuleList`` that ``self.layers[:n]`` builds at
   every forward of a transformers decoder, or the graph modules a backend
   builds. A tree can only grow through a module it already holds, and a module

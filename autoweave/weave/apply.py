@@ -464,7 +464,7 @@ def apply_plan(
     its ``RegionBackend`` (whose observers the report subscribes to).
     ``on_ac_kept`` is told when a pieces block is put back under its checkpoint
     at dynamo's recompile limit (``keep_checkpoint``). ``agree(flags)``: each
-    flag, true if it is on any rank that runs the plan (``dispatch/agreement``).
+    flag, true if it is on any rank that runs the plan (``dispatch/plan_inputs``).
     """
     applied = Applied()
     pieces_blocks: dict[str, nn.Module] = {}  # path -> AC wrapper whose checkpoint moved into pieces

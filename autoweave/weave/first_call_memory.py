@@ -1,6 +1,6 @@
 """The first call of a block woven as ``pieces``, measured: what its pieces hold for backward.
 
-``planning/memory`` says what is measured and how it is judged (``Verdict``);
+``planning/learned`` says what is measured and how it is judged (``Verdict``);
 this module measures it, around the block's first call with grad:
 
 - what pieces hold: every tensor autograd saves during the block's forward
@@ -11,7 +11,7 @@ this module measures it, around the block's first call with grad:
   (``tensor_bytes``) and its policy's saves, as the pieces' tracing showed them.
 
 The verdict is agreed with the other ranks that run the block (``agree``, from
-``dispatch/agreement``: the length each rank saw changes what it measures, and
+``dispatch/plan_inputs``: the length each rank saw changes what it measures, and
 ranks planning the block differently could hang), kept for every block of its
 kind (``planning/learned``); the measure then steps aside (``FirstCall``), so
 later calls pay nothing.

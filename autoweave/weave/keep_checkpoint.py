@@ -1,4 +1,7 @@
-"""A block woven as ``pieces`` keeps the user's checkpoint past dynamo's recompile limit.
+"""The user's checkpoint, kept: past dynamo's recompile limit, and in torch 2.15's decorator form.
+
+**At the recompile limit** (``AtRecompileLimit``, ``PiecesBlock``): a block woven as ``pieces``
+keeps the user's checkpoint.
 
 Under ``pieces`` the block's checkpoint moved into its compiled graphs (each
 piece is checkpointed by the region's backend, ``pieces``); the block itself
@@ -21,9 +24,7 @@ that frame and runs it eager at once, before the warning reaches anyone. That
 one call holds the activations of that frame (the resume function's part of the
 block, when the limit is hit there) without the checkpoint.
 
-torch 2.15's decorator form of ``checkpoint`` on a ``forward``, made traceable.
-
-torch 2.15 lets ``checkpoint`` decorate a function (``@checkpoint(use_reentrant=False)`` on a
+**The decorator form** (``make_traceable``): torch 2.15 lets ``checkpoint`` decorate a function (``@checkpoint(use_reentrant=False)`` on a
 method, ``checkpoint(**options)(fn)``): the result is a ``_CheckpointedFunction``. dynamo does
 not turn it into its checkpoint operator: it skips torch's checkpoint code and compiles the
 decorated function as a frame of its own, so in backward the recompute calls that function

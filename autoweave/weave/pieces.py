@@ -1,9 +1,12 @@
-"""Checkpointing each compiled piece of a region that dynamo splits (the ``pieces`` strategy).
+"""The one backend a woven region hands dynamo, and the pieces it checkpoints.
+
+**Pieces** (``CheckpointPieces``): checkpointing each compiled piece of a region that
+dynamo splits (the ``pieces`` strategy).
 
 A checkpoint that dynamo traces cannot hold a graph break: the whole region
 would run eager. A region compiled *without* a checkpoint may break: dynamo
 splits its forward at each break and hands every graph between two breaks to
-the backend. The region's backend (``region_backend``) has ``CheckpointPieces``
+the backend. The region's backend (``RegionBackend``) has ``CheckpointPieces``
 compile each of them: it wraps the graph in torch's own checkpoint operator (``tag_activation_checkpoint``, what dynamo
 emits for a traced ``checkpoint(...)``) with the user's ``context_fn`` and
 options, then compiles it with the user's backend. So every op of the region
@@ -13,7 +16,7 @@ it was written for, and no checkpoint contains a break.
 
 What it costs: a piece's inputs are kept for its backward (the whole block
 kept only its input), so activation memory grows by the tensors that cross a
-break. ``memory`` measures it at a block's first call against what eager
+break. ``weave/first_call_memory`` measures it at a block's first call against what eager
 selective AC would keep (its input, and the outputs the policy saves: this
 helper tells it, having watched the policy while the pieces were traced);
 ``benchmarks/sac_memory.py`` measures both on whole models.
@@ -23,8 +26,7 @@ checkpoint (see ``changed_inputs_backward_needs``); a policy that raises while a
 piece is traced is the user's error: that piece runs as plain torch runs it,
 eager under the checkpoint, where the policy raises again.
 
-The one backend a woven region hands dynamo: compile, fail open per graph, pieces, observers.
-
+**The region backend** (``RegionBackend``): compile, fail open per graph, pieces, observers.
 dynamo calls a region's backend once per graph it traces (a region that breaks
 is several graphs). ``RegionBackend`` is that backend, alone between torch's own
 ``_TorchCompileWrapper`` (which ``torch.compile`` puts around any backend) and
