@@ -84,51 +84,6 @@ class _CountingPlain(_compat.backends.BackendWrapper):
 _stats: _Stats | None = None
 _lock = threading.RLock()
 
-
-def plain_label(module: Any) -> str | None:
-    """The label under which a plain (not woven) compile of ``module`` is counted."""
-    return run.plain_labels.get(module)
-
-
-def active() -> bool:
-    """Is the report collecting?"""
-    return _stats is not None
-
-
-def collector() -> _Stats | None:
-    """What the report is collecting into now (None: it is not collecting)."""
-    return _stats
-
-
-def record_gemms(key: int, found: counting.AutogradGemms) -> None:
-    """What one measured call of a module left in the autograd graph (``key``: its plan entry's)."""
-    stats = _stats
-    if stats is not None:
-        with _lock:
-            stats.gemms[key] = found
-
-
-def record_unmeasured(key: int, stance: str) -> None:
-    """A call of the module ``key`` passed unmeasured: ``torch.compiler.set_stance(stance)`` ran it eager."""
-    stats = _stats
-    if stats is not None:
-        with _lock:
-            stats.unmeasured[key] = stance
-
-
-def on_woven_around(dispatcher: Any, fallbacks: int) -> None:
-    """A first call fell back (``fallbacks`` messages); autoweave re-planned around the break."""
-    if _stats is not None:
-        with _lock:
-            _stats.woven_around += fallbacks
-
-
-def on_plan(entry: summary.Entry) -> None:
-    """A recorded plan (``_events.PLAN_RECORDED``): name its regions in the report."""
-    if _stats is not None:
-        _stats.name_regions(entry)
-
-
 # The report's install key (``autoweave._installs``): ``disable()`` stops the report.
 REPORT = "run report (region-graph observer, dynamo's compile callbacks, recompile-limit filter)"
 
@@ -187,28 +142,11 @@ def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         return kwargs
 
 
-def on_move(dispatcher: Any, state: str, why: str) -> None:
-    """``_events.MOVED``: measure one steady call of what the dispatcher runs from now on."""
-    if not active():
-        return
-    if state == _events.WOVEN:
-        dispatcher.observe_next_call(_measuring(id(dispatcher)))
-    elif state == _events.PLAIN:
-        # Plain torch.compile compiles at its first call: the one after it is steady.
-        dispatcher.observe_next_call(_measuring(id(dispatcher)), skip=1)
-
-
-def on_ac_kept(dispatcher: Any) -> None:
-    """``_events.AC_KEPT``: blocks now run eager under their checkpoint; measure the next call again."""
-    if active() and dispatcher.state.value == _events.WOVEN:
-        dispatcher.observe_next_call(_measuring(id(dispatcher)))
-
-
 def _measuring(key: int) -> Callable[[], Callable[[Any], None] | None]:
     def before() -> Callable[[Any], None] | None:
         stance = _compat.dynamo.eager_stance()
         if stance is not None:  # runs eager by the user's choice: the next call is measured
-            record_unmeasured(key, stance)
+            _record("unmeasured", key, stance)
             return None
         since = counting.autograd_mark()  # None without grad: the next call is measured
         if since is None:
@@ -217,11 +155,19 @@ def _measuring(key: int) -> Callable[[], Callable[[Any], None] | None]:
         def after(out: Any) -> None:
             found = counting.autograd_gemms(out, since)
             if found is not None:
-                record_gemms(key, found)  # the plan entry's key (summary.keyed_entries)
+                _record("gemms", key, found)  # the plan entry's key (summary.keyed_entries)
 
         return after
 
     return before
+
+
+def _record(table: str, key: int, value: Any) -> None:
+    # Into the report collecting when the call comes: a report stopped since takes nothing.
+    stats = _stats
+    if stats is not None:
+        with _lock:
+            getattr(stats, table)[key] = value
 
 
 @dataclass
@@ -278,31 +224,48 @@ class _Stats:
         self.gemms: dict[int, counting.AutogradGemms] = {}
         # id(dispatcher) -> the stance that made a call offered to the measure run eager (passed)
         self.unmeasured: dict[int, str] = {}
-        self._limits = _taps.listening(RecompileLimit, self._on_limit)
-        self._unlisten: Callable[[], None] | None = None
-        self._unobserve: Callable[[], None] | None = None
-        self._unat: Callable[[], None] = lambda: None
+        self._undos: list[Callable[[], None]] = []
 
     def install(self) -> None:
-        self._unobserve = _events.subscribe(_events.GRAPH_COMPILED, self.on_graph)
-        self.fallbacks.install()
-        graph_breaks.watch_graph_breaks()  # the user's line of each graph break (autoweave/observe/graph_breaks.py)
-        self._limits.start()  # dynamo's recompile-limit warnings (any compile, autoweave's or not)
-        # and the regions under an eager checkpoint that autoweave runs eager at the limit
-        self._unat = _events.subscribe(_events.AT_LIMIT, self._on_at_limit)
-        # Kept across torch._dynamo.reset(), which clears dynamo's callbacks (trace).
-        self._unlisten = trace.listen(self._on_start, self._on_end)
+        graph_breaks.watch_graph_breaks()  # the user's line of each graph break (until disable())
+        self._undos = [
+            _events.subscribe(_events.GRAPH_COMPILED, self.on_graph),
+            self.fallbacks.install().uninstall,
+            # dynamo's recompile-limit warnings (any compile, autoweave's or not)
+            _taps.listening(RecompileLimit, self._on_limit).start().stop,
+            # and the regions under an eager checkpoint that autoweave runs eager at the limit
+            _events.subscribe(_events.AT_LIMIT, self._on_at_limit),
+            # The dispatchers (``autoweave._events``): recorded plans name the regions, first-call
+            # fallbacks woven around are counted, one steady call of each module is measured.
+            _events.subscribe(_events.PLAN_RECORDED, self.name_regions),
+            _events.subscribe(_events.WOVEN_AROUND, self._on_woven_around),
+            _events.subscribe(_events.MOVED, self._on_move),
+            _events.subscribe(_events.AC_KEPT, self._on_ac_kept),
+            # Kept across torch._dynamo.reset(), which clears dynamo's callbacks (trace).
+            trace.listen(self._on_start, self._on_end),
+        ]
 
     def uninstall(self) -> None:
-        if self._unobserve is not None:
-            self._unobserve()
-            self._unobserve = None
-        self.fallbacks.uninstall()
-        self._limits.stop()
-        self._unat()
-        if self._unlisten is not None:
-            self._unlisten()
-            self._unlisten = None
+        while self._undos:
+            self._undos.pop()()
+
+    def _on_woven_around(self, dispatcher: Any, fallbacks: int) -> None:
+        # A first call fell back (``fallbacks`` messages); autoweave re-planned around the break.
+        with self._lock:
+            self.woven_around += fallbacks
+
+    def _on_move(self, dispatcher: Any, state: str, why: str) -> None:
+        # Measure one steady call of what the dispatcher runs from now on.
+        if state == _events.WOVEN:
+            dispatcher.observe_next_call(_measuring(id(dispatcher)))
+        elif state == _events.PLAIN:
+            # Plain torch.compile compiles at its first call: the one after it is steady.
+            dispatcher.observe_next_call(_measuring(id(dispatcher)), skip=1)
+
+    def _on_ac_kept(self, dispatcher: Any) -> None:
+        # Blocks now run eager under their checkpoint: measure the next call again.
+        if dispatcher.state.value == _events.WOVEN:
+            dispatcher.observe_next_call(_measuring(id(dispatcher)))
 
     def _on_limit(self, hit: RecompileLimit) -> None:
         self.limit_hits.append(hit.summary)

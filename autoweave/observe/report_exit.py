@@ -202,21 +202,18 @@ def at_exit() -> None:
     """Log any pending plan summary; write the report and print its summary (rank 0). Never raises."""
     if summary.waiting():
         _quietly("log the plan summary", summary.flush)
-    stats = report.collector()
+    stats = report._stats
     if stats is None or stats.path is None:
         return
     _quietly("write the report", _write_and_summarise, stats)
 
 
-# (topic, listener, install key): what each observer listens to.
+# (topic, listener, install key): what the plan summary and the trace listen to (the report
+# subscribes its own listeners while it collects: ``report._Stats.install``).
 _SUBSCRIPTIONS: tuple[tuple[str, Callable[..., None], str], ...] = (
     (_events.PLANNED, summary.on_planned, "plan listener: the plan summary records each plan"),
     (_events.CALLED_AGAIN, summary.on_called_again, "call listener: the plan summary at the next step"),
-    (_events.PLAN_RECORDED, report.on_plan, "plan listener: the report names its regions"),
     (_events.PLAN_RECORDED, trace.emit_plan, "plan listener: TORCH_TRACE writes each plan"),
-    (_events.WOVEN_AROUND, report.on_woven_around, "fallback listener: the report counts those woven around"),
-    (_events.MOVED, report.on_move, "move listener: the report measures one call of each module"),
-    (_events.AC_KEPT, report.on_ac_kept, "limit listener: the report measures a block back under its AC"),
 )
 
 
