@@ -224,13 +224,14 @@ class _Stats:
         self.gemms: dict[int, counting.AutogradGemms] = {}
         # id(dispatcher) -> the stance that made a call offered to the measure run eager (passed)
         self.unmeasured: dict[int, str] = {}
+        self.break_sites: list[graph_breaks.BreakSite] = []  # where graph breaks were, in order
         self._undos: list[Callable[[], None]] = []
 
     def install(self) -> None:
-        graph_breaks.watch_graph_breaks()  # the user's line of each graph break (until disable())
         self._undos = [
             _events.subscribe(_events.GRAPH_COMPILED, self.on_graph),
             self.fallbacks.install().uninstall,
+            graph_breaks.listening(self.break_sites).start().stop,  # the user's line of each graph break
             # dynamo's recompile-limit warnings (any compile, autoweave's or not)
             _taps.listening(RecompileLimit, self._on_limit).start().stop,
             # and the regions under an eager checkpoint that autoweave runs eager at the limit
@@ -434,9 +435,7 @@ class _Stats:
                 "outside_regions": {"compiles": self.outside_compiles, "recompiles": self.outside_recompiles},
                 "graph_breaks": sum(breaks.values()),
                 "graph_break_reasons": dict(breaks.most_common()),
-                "graph_break_sites": graph_breaks.graph_break_sites(
-                    breaks
-                ),  # autoweave/observe/graph_breaks.py
+                "graph_break_sites": graph_breaks.graph_break_sites(self.break_sites, breaks),
                 "recompile_limit_hits": list(self.limit_hits),
             },
             # One steady call of each compiled module, from autograd's record (observe.report).
@@ -453,7 +452,7 @@ class _Stats:
                 "count": self.fallbacks.count,
                 # Seen at a first call, then compiled around from the next call on.
                 "woven_around": min(self.woven_around, self.fallbacks.count),
-                "sites": graph_breaks.fallback_sites(),  # autoweave/observe/graph_breaks.py
+                "sites": graph_breaks.fallback_sites(self.break_sites),
                 "messages": [{"message": m, "count": n} for m, n in fallback_messages.most_common()],
             },
         }
