@@ -247,12 +247,7 @@ def format_summary(entries: list[Entry], *, covers: str = "") -> str:
 
 def inner_type(module: Any) -> str:
     """The user's module type under compile / checkpoint / FSDP1 wrappers."""
-    for _ in range(8):
-        inner = _compat.modules.wrapped_child(module)
-        if inner is None:
-            break
-        module = inner
-    return type(module).__name__
+    return type(sources._user_module(module)).__name__  # the unwrapping the plan's sources use
 
 
 def _path_in(owner: Any, module: Any) -> str | None:
