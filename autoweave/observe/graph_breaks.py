@@ -111,7 +111,7 @@ def register(settings: object) -> None:
     handlers) is undone by ``autoweave.disable()``: the alias by its own
     install, the logger's by ``_log.edit``.
     """
-    internal = _internal()
+    internal = _compat.dynamo.torch_logging_internal()
     if internal is None:
         return
     # Registered only when TORCH_LOGS is set: torch then ignores set_logs(), so its
@@ -155,7 +155,3 @@ def _drop_torch_handlers(own: _log.LoggerEdit) -> None:
     for handler in [h for h in logger.handlers if _compat.dynamo.is_torch_log_handler(h)]:
         own.remove_handler(handler)
     own.set_propagate(True)
-
-
-def _internal() -> object | None:
-    return _compat.dynamo.torch_logging_internal()

@@ -32,6 +32,7 @@ from typing import Any
 
 from autoweave import _events, _installs
 from autoweave._log import logger, rank
+from autoweave._state import run
 from autoweave.observe import graph_breaks, report, summary, trace
 from autoweave.observe.report import _Stats
 
@@ -200,7 +201,7 @@ def _write_and_summarise(stats: _Stats) -> None:
 
 def at_exit() -> None:
     """Log any pending plan summary; write the report and print its summary (rank 0). Never raises."""
-    if summary.waiting():
+    if run.summary_pending:  # plans recorded since the last summary
         _quietly("log the plan summary", summary.flush)
     stats = report._stats
     if stats is None or stats.path is None:
