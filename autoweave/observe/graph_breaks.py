@@ -1,13 +1,14 @@
-"""Where in the user's source a graph break or an AC fallback is: ``file:line``, as dynamo names it.
+"""dynamo's graph breaks placed in the user's source, and ``TORCH_LOGS=autoweave``.
 
-A graph break's place comes from dynamo's own ``graph_breaks`` log record, which
-carries the user stack (read by ``_compat.log_strings`` as a ``GraphBreak``, placed
-by ``planning.sources.break_frames``): ``watch_graph_breaks`` listens to it through
-the logger's one tap (``autoweave._taps``), which prints nothing torch would not
-have printed.
+Where a graph break or an AC fallback is: ``file:line`` in the user's source,
+as dynamo names it. Its place comes from dynamo's own ``graph_breaks`` log
+record, which carries the user stack (read by ``_compat.log_strings`` as a
+``GraphBreak``, placed by ``planning.sources.break_frames``): ``listening``
+hears it through the logger's one tap (``autoweave._taps``), which prints
+nothing torch would not have printed. The report keeps the places while it
+collects; ``recording_graph_breaks`` keeps those of one block.
 
-``TORCH_LOGS=autoweave``: the ``autoweave`` logger answers torch's logging switch like torch's own.
-
+The ``autoweave`` logger answers torch's logging switch like torch's own:
 ``TORCH_LOGS=autoweave`` shows autoweave's INFO lines, ``+autoweave`` its DEBUG
 lines, ``-autoweave`` only its errors (the default plan summary too is hidden),
 with torch's handler and format, as for ``TORCH_LOGS=dynamo``.

@@ -1,19 +1,23 @@
 """The run report (``AUTOWEAVE_REPORT=path.json``, ``{rank}`` for one file per rank): collecting.
 
-``start`` installs a collector (``_Stats``) and ``stop`` takes it
-off and returns its snapshot. While it runs, woven regions' backends tell it
-each graph they compile (``_events.GRAPH_COMPILED``) and plain
-compiles are counted by a wrapper (``plain_kwargs``): graphs, ops, compile time,
-recompiles, per region. The collector also listens to
-the dispatchers (``autoweave._events``, wired by ``observe.report_exit``):
-recorded plans name its regions, first-call fallbacks woven around are
-counted, and ``observe.report`` measures one steady call of each module.
-Writing it at exit, with rank 0's one-screen summary, is ``observe.report_exit``.
+``start`` installs a collector (``_Stats``) and ``stop`` takes it off and
+returns its snapshot, the report's JSON (``_Stats.snapshot``). While it runs it
+collects:
 
-The report's autograd measure: one steady call of each compiled module, read from autograd's record.
+- per compiled region (``RegionStats``): graphs, ops, compile time, recompiles.
+  Woven regions' backends tell it each graph they compile
+  (``_events.GRAPH_COMPILED``); plain compiles are counted by a wrapper
+  (``plain_kwargs``).
+- for every compile in the process, autoweave's or not, what dynamo signalled:
+  its compile callbacks, the recompile-limit warnings, checkpointed regions
+  that fell back to eager, and where graph breaks were (``observe.graph_breaks``).
+- what the dispatchers publish (``autoweave._events``), to which the collector
+  subscribes while it runs: recorded plans name its regions, first-call
+  fallbacks woven around are counted.
+- one steady call of each compiled module, read from autograd's record.
 
-When a dispatcher starts running its woven regions, or plain torch.compile,
-the report (when collecting) asks it to hand over one later call
+The measure: when a dispatcher starts running its woven regions, or plain
+torch.compile, the collector asks it to hand over one later call
 (``observe_next_call``): the forward GEMMs that call left in the autograd graph
 outside compiled graphs (``counting.autograd_gemms``) are what ran eager.
 The measure marks where autograd's graph stood, lets the call run untouched,
@@ -23,14 +27,7 @@ or debug step under ``force_eager``): what they run is not the steady state.
 When only such calls came, the report says the module was not measured. Later
 calls pay nothing.
 
-What the run report collects: per region and for the whole process (``observe.report`` runs it).
-
-A ``RegionStats`` per compiled region (graphs, ops, compile time, recompiles,
-counted by the report's counting backend); for every compile in the process,
-autoweave's or not, what dynamo signalled (its compile callbacks, the
-recompile-limit warnings, checkpointed regions that fell back to eager, graph
-breaks); and one measured call per compiled module (``observe.report``).
-``_Stats.snapshot`` is the report's JSON.
+Writing it at exit, with rank 0's one-screen summary, is ``observe.report_exit``.
 """
 
 from __future__ import annotations
@@ -67,7 +64,7 @@ class _CountingPlain(_compat.backends.BackendWrapper):
 
     def __init__(self, stats: _Stats, label: str, inner: Any) -> None:
         super().__init__(inner)
-        # ``report_label``: the region a compile running on this backend counts under (``report_stats``).
+        # ``report_label``: the region a compile running on this backend counts under (``_region_of_backend``).
         self._stats, self.report_label = stats, stats.region(label, "plain").label
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
@@ -438,7 +435,7 @@ class _Stats:
                 "graph_break_sites": graph_breaks.graph_break_sites(self.break_sites, breaks),
                 "recompile_limit_hits": list(self.limit_hits),
             },
-            # One steady call of each compiled module, from autograd's record (observe.report).
+            # One steady call of each compiled module, from autograd's record (``_measuring``).
             "measured": {
                 "modules": len(measured),
                 "fully_compiled": sum(1 for m in measured.values() if m["eager_gemms"] == 0),

@@ -1,4 +1,4 @@
-"""The run report at exit: written to its JSON file, and rank 0's one-screen summary on stderr.
+"""The run report at exit (its JSON file, rank 0's one-screen summary), and who listens to the dispatchers.
 
 At exit (or at ``disable()``, which does first what exit would have done) the
 plan summary still waiting is logged, then the report is stopped, written
@@ -7,12 +7,11 @@ summarised on rank 0, after the plan summary. A process that compiled nothing
 (torchrun's launcher inherits ``AUTOWEAVE_REPORT`` and imports torch) writes and
 prints nothing: it would otherwise pose as rank 0 and overwrite rank 0's report.
 
-Who listens to the dispatchers: the observers subscribe when autoweave starts.
-
-The dispatchers publish their moves, plans and fallbacks (``autoweave._events``);
-the plan summary records each plan and logs itself when the next step begins,
-the report and the structured trace read each recorded plan, and the report
-counts fallbacks woven around and measures one call per module. Each
+``install`` wires the observers when the patches load. The dispatchers publish
+their moves, plans and fallbacks (``autoweave._events``): the plan summary
+records each plan and logs itself when the next step begins, and the
+structured trace writes each recorded plan; the report, when asked for,
+subscribes its own listeners while it collects (``observe.report``). Each
 subscription, the report and the exit hook is an install of its own
 (``autoweave._installs``): ``disable()`` does first what exit would have done
 (the pending plan summary, the report written and summarised), then takes

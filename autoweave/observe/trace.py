@@ -13,17 +13,16 @@ Two artifacts, both JSON:
 
 Nothing is registered or emitted unless a structured trace is being written.
 
-dynamo's compile callbacks for autoweave's listeners, kept across ``torch._dynamo.reset()``.
-
-The run report (``report_stats``) and the structured trace (``trace``) hear of
-every compile through dynamo's compile start/end callbacks
-(``torch._dynamo.callback.callback_handler``). ``torch._dynamo.reset()`` and
-``torch.compiler.reset()``, which frameworks call between train and eval, clear
-that registry (every torch autoweave supports), so every later compile went
-unheard. ``listen`` registers callbacks and, while autoweave is on, keeps the
-registry's ``clear`` wrapped (an install, with its undo): right after a clear,
-whoever asked is registered again. Wrapping ``clear`` rather than the reset
-functions also covers a ``reset`` imported by name before autoweave was on.
+Also here: dynamo's compile callbacks for autoweave's listeners, kept across
+``torch._dynamo.reset()``. The run report (``observe.report``) and the
+structured trace hear of every compile through dynamo's compile start/end
+callbacks (``torch._dynamo.callback.callback_handler``). ``torch._dynamo.reset()``
+and ``torch.compiler.reset()``, which frameworks call between train and eval,
+clear that registry (every torch autoweave supports), so every later compile
+went unheard. ``listen`` registers callbacks and, while autoweave is on, keeps
+the registry's ``clear`` wrapped (an install, with its undo): right after a
+clear, whoever asked is registered again. Wrapping ``clear`` rather than the
+reset functions also covers a ``reset`` imported by name before autoweave was on.
 """
 
 from __future__ import annotations
