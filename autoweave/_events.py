@@ -4,8 +4,9 @@ The dispatcher (``dispatch/``) is the hub of a compiled module's life, yet the
 observers (``observe/``: the plan summary, the report, the structured trace)
 sit below it and must not be called from inside its state machine: the
 machine only moves, and says so here. Observers subscribe when they start,
-each subscription an install with its undo (``_installs``), so ``disable()``
-leaves no listener behind.
+each subscription with its undo (an install of ``_installs``, or the report's
+collector, itself an install, for its own), so ``disable()`` leaves no listener
+behind.
 
 A listener that raises is autoweave's own failure in an observation: counted
 and logged (``_failopen.guard``, quiet), never in the way of what runs.

@@ -29,7 +29,7 @@ The flow, one hop a line, from the user's compile to the report:
    (``_watched``; ranks agree through ``dispatch.plan_inputs``), and enters WOVEN.
 6. A fallback seen there re-plans (``_on_hidden_fallback``: LEARNED, applied at the next call).
 7. Each move is an ``_events`` topic: ``observe.summary`` logs the plan summary at the next
-   step, ``observe.report`` and ``observe.report`` keep the report, ``observe.trace`` writes
+   step, ``observe.report`` keeps the report, ``observe.trace`` writes
    TORCH_TRACE; ``observe.report_exit`` writes and summarises the report at exit.
 """
 

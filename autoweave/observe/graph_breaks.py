@@ -1,13 +1,14 @@
-"""Where in the user's source a graph break or an AC fallback is: ``file:line``, as dynamo names it.
+"""dynamo's graph breaks placed in the user's source, and ``TORCH_LOGS=autoweave``.
 
-A graph break's place comes from dynamo's own ``graph_breaks`` log record, which
-carries the user stack (read by ``_compat.log_strings`` as a ``GraphBreak``, placed
-by ``planning.sources.break_frames``): ``watch_graph_breaks`` listens to it through
-the logger's one tap (``autoweave._taps``), which prints nothing torch would not
-have printed.
+Where a graph break or an AC fallback is: ``file:line`` in the user's source,
+as dynamo names it. Its place comes from dynamo's own ``graph_breaks`` log
+record, which carries the user stack (read by ``_compat.log_strings`` as a
+``GraphBreak``, placed by ``planning.sources.break_frames``): ``listening``
+hears it through the logger's one tap (``autoweave._taps``), which prints
+nothing torch would not have printed. The report keeps the places while it
+collects; ``recording_graph_breaks`` keeps those of one block.
 
-``TORCH_LOGS=autoweave``: the ``autoweave`` logger answers torch's logging switch like torch's own.
-
+The ``autoweave`` logger answers torch's logging switch like torch's own:
 ``TORCH_LOGS=autoweave`` shows autoweave's INFO lines, ``+autoweave`` its DEBUG
 lines, ``-autoweave`` only its errors (the default plan summary too is hidden),
 with torch's handler and format, as for ``TORCH_LOGS=dynamo``.
@@ -21,9 +22,10 @@ logger itself; it is idempotent and never undoes what torch already did.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,82 +52,27 @@ def site_of(found: Break) -> str | None:
     return f"{frames[0].filename}:{frames[0].lineno}" if frames else None
 
 
-class _GraphBreakWatch:
-    """The graph-break places heard while installed."""
-
-    def __init__(self) -> None:
-        self.sites: list[BreakSite] = []
-        self._lock_sites = threading.Lock()
-        self._listening = _taps.listening(GraphBreak, self._on_break)
-
-    def _on_break(self, found: GraphBreak) -> None:
-        with guard("reading the place of a graph break", quiet=True):
-            site = site_of(found)
-            if site is not None:
-                with self._lock_sites:
-                    self.sites.append(BreakSite(site, found.reason, found.text, found.in_checkpoint))
-
-    def install(self) -> None:
-        self._listening.start()
-
-    def uninstall(self) -> None:
-        self._listening.stop()
+def _heard(sites: list[BreakSite], found: GraphBreak) -> None:
+    with guard("reading the place of a graph break", quiet=True):
+        site = site_of(found)
+        if site is not None:
+            sites.append(BreakSite(site, found.reason, found.text, found.in_checkpoint))
 
 
-_watch: _GraphBreakWatch | None = None
-_watch_lock = threading.Lock()
+def listening(sites: list[BreakSite]) -> _taps.listening[GraphBreak]:
+    """A listener (``start``/``stop``) that appends the place of each graph break dynamo logs to ``sites``."""
+    return _taps.listening(GraphBreak, functools.partial(_heard, sites))
 
 
-class recording_graph_breaks:  # noqa: N801 - used like a function: `with recording_graph_breaks() as sites:`
+@contextlib.contextmanager
+def recording_graph_breaks() -> Iterator[list[BreakSite]]:
     """The graph breaks dynamo logs while the block runs (``BreakSite``s, in order)."""
-
-    def __enter__(self) -> list[BreakSite]:
-        self._watch = _GraphBreakWatch()
-        self._watch.install()
-        return self._watch.sites
-
-    def __exit__(self, *exc: Any) -> None:
-        self._watch.uninstall()
+    sites: list[BreakSite] = []
+    with listening(sites):
+        yield sites
 
 
-def watch_graph_breaks() -> None:
-    """Start recording where graph breaks happen, from now on (the report turns it on).
-
-    Installed once (``autoweave._installs``): ``autoweave.disable()`` stops it.
-    """
-    if not _installs.install("graph-break watch (the report's user lines)", _start_watching):
-        with _watch_lock:
-            if _watch is not None:
-                # A new report starts: it owns the sites seen from here, not an earlier report's.
-                with _watch._lock_sites:
-                    _watch.sites.clear()
-
-
-def _start_watching() -> Callable[[], None]:
-    global _watch
-    watch = _GraphBreakWatch()
-    watch.install()
-    with _watch_lock:
-        _watch = watch
-
-    def undo() -> None:
-        global _watch
-        watch.uninstall()
-        with _watch_lock:
-            if _watch is watch:
-                _watch = None
-
-    return undo
-
-
-def _sites() -> list[BreakSite]:
-    if _watch is None:
-        return []
-    with _watch._lock_sites:
-        return list(_watch.sites)
-
-
-def graph_break_sites(reasons: Any = ()) -> dict[str, list[str]]:
+def graph_break_sites(sites: list[BreakSite], reasons: Any) -> dict[str, list[str]]:
     """For each reason dynamo counted (``counters["graph_break"]`` keys), the user lines it broke at.
 
     A record belongs to a reason when the record's text contains the reason's
@@ -133,7 +80,6 @@ def graph_break_sites(reasons: Any = ()) -> dict[str, list[str]]:
     logs a repeated break (same kind, same place) without its stack, so these are
     places, not counts.
     """
-    sites = _sites()
     out: dict[str, list[str]] = {}
     for reason in reasons:
         first = reason.strip().splitlines()[0] if reason.strip() else ""
@@ -143,9 +89,9 @@ def graph_break_sites(reasons: Any = ()) -> dict[str, list[str]]:
     return out
 
 
-def fallback_sites() -> list[str]:
+def fallback_sites(sites: list[BreakSite]) -> list[str]:
     """The user lines of breaks inside a traced checkpoint: where checkpointed regions fell back to eager."""
-    return sorted({s.site for s in _sites() if s.in_checkpoint})
+    return sorted({s.site for s in sites if s.in_checkpoint})
 
 
 def first_site(sites: dict[str, list[str]], first_line: str) -> str:
@@ -166,7 +112,7 @@ def register(settings: object) -> None:
     handlers) is undone by ``autoweave.disable()``: the alias by its own
     install, the logger's by ``_log.edit``.
     """
-    internal = _internal()
+    internal = _compat.dynamo.torch_logging_internal()
     if internal is None:
         return
     # Registered only when TORCH_LOGS is set: torch then ignores set_logs(), so its
@@ -210,7 +156,3 @@ def _drop_torch_handlers(own: _log.LoggerEdit) -> None:
     for handler in [h for h in logger.handlers if _compat.dynamo.is_torch_log_handler(h)]:
         own.remove_handler(handler)
     own.set_propagate(True)
-
-
-def _internal() -> object | None:
-    return _compat.dynamo.torch_logging_internal()

@@ -1,19 +1,23 @@
 """The run report (``AUTOWEAVE_REPORT=path.json``, ``{rank}`` for one file per rank): collecting.
 
-``start`` installs a collector (``_Stats``) and ``stop`` takes it
-off and returns its snapshot. While it runs, woven regions' backends tell it
-each graph they compile (``_events.GRAPH_COMPILED``) and plain
-compiles are counted by a wrapper (``plain_kwargs``): graphs, ops, compile time,
-recompiles, per region. The collector also listens to
-the dispatchers (``autoweave._events``, wired by ``observe.report_exit``):
-recorded plans name its regions, first-call fallbacks woven around are
-counted, and ``observe.report`` measures one steady call of each module.
-Writing it at exit, with rank 0's one-screen summary, is ``observe.report_exit``.
+``start`` installs a collector (``_Stats``) and ``stop`` takes it off and
+returns its snapshot, the report's JSON (``_Stats.snapshot``). While it runs it
+collects:
 
-The report's autograd measure: one steady call of each compiled module, read from autograd's record.
+- per compiled region (``RegionStats``): graphs, ops, compile time, recompiles.
+  Woven regions' backends tell it each graph they compile
+  (``_events.GRAPH_COMPILED``); plain compiles are counted by a wrapper
+  (``plain_kwargs``).
+- for every compile in the process, autoweave's or not, what dynamo signalled:
+  its compile callbacks, the recompile-limit warnings, checkpointed regions
+  that fell back to eager, and where graph breaks were (``observe.graph_breaks``).
+- what the dispatchers publish (``autoweave._events``), to which the collector
+  subscribes while it runs: recorded plans name its regions, first-call
+  fallbacks woven around are counted.
+- one steady call of each compiled module, read from autograd's record.
 
-When a dispatcher starts running its woven regions, or plain torch.compile,
-the report (when collecting) asks it to hand over one later call
+The measure: when a dispatcher starts running its woven regions, or plain
+torch.compile, the collector asks it to hand over one later call
 (``observe_next_call``): the forward GEMMs that call left in the autograd graph
 outside compiled graphs (``counting.autograd_gemms``) are what ran eager.
 The measure marks where autograd's graph stood, lets the call run untouched,
@@ -23,14 +27,7 @@ or debug step under ``force_eager``): what they run is not the steady state.
 When only such calls came, the report says the module was not measured. Later
 calls pay nothing.
 
-What the run report collects: per region and for the whole process (``observe.report`` runs it).
-
-A ``RegionStats`` per compiled region (graphs, ops, compile time, recompiles,
-counted by the report's counting backend); for every compile in the process,
-autoweave's or not, what dynamo signalled (its compile callbacks, the
-recompile-limit warnings, checkpointed regions that fell back to eager, graph
-breaks); and one measured call per compiled module (``observe.report``).
-``_Stats.snapshot`` is the report's JSON.
+Writing it at exit, with rank 0's one-screen summary, is ``observe.report_exit``.
 """
 
 from __future__ import annotations
@@ -67,7 +64,7 @@ class _CountingPlain(_compat.backends.BackendWrapper):
 
     def __init__(self, stats: _Stats, label: str, inner: Any) -> None:
         super().__init__(inner)
-        # ``report_label``: the region a compile running on this backend counts under (``report_stats``).
+        # ``report_label``: the region a compile running on this backend counts under (``_region_of_backend``).
         self._stats, self.report_label = stats, stats.region(label, "plain").label
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
@@ -83,51 +80,6 @@ class _CountingPlain(_compat.backends.BackendWrapper):
 
 _stats: _Stats | None = None
 _lock = threading.RLock()
-
-
-def plain_label(module: Any) -> str | None:
-    """The label under which a plain (not woven) compile of ``module`` is counted."""
-    return run.plain_labels.get(module)
-
-
-def active() -> bool:
-    """Is the report collecting?"""
-    return _stats is not None
-
-
-def collector() -> _Stats | None:
-    """What the report is collecting into now (None: it is not collecting)."""
-    return _stats
-
-
-def record_gemms(key: int, found: counting.AutogradGemms) -> None:
-    """What one measured call of a module left in the autograd graph (``key``: its plan entry's)."""
-    stats = _stats
-    if stats is not None:
-        with _lock:
-            stats.gemms[key] = found
-
-
-def record_unmeasured(key: int, stance: str) -> None:
-    """A call of the module ``key`` passed unmeasured: ``torch.compiler.set_stance(stance)`` ran it eager."""
-    stats = _stats
-    if stats is not None:
-        with _lock:
-            stats.unmeasured[key] = stance
-
-
-def on_woven_around(dispatcher: Any, fallbacks: int) -> None:
-    """A first call fell back (``fallbacks`` messages); autoweave re-planned around the break."""
-    if _stats is not None:
-        with _lock:
-            _stats.woven_around += fallbacks
-
-
-def on_plan(entry: summary.Entry) -> None:
-    """A recorded plan (``_events.PLAN_RECORDED``): name its regions in the report."""
-    if _stats is not None:
-        _stats.name_regions(entry)
-
 
 # The report's install key (``autoweave._installs``): ``disable()`` stops the report.
 REPORT = "run report (region-graph observer, dynamo's compile callbacks, recompile-limit filter)"
@@ -187,28 +139,11 @@ def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         return kwargs
 
 
-def on_move(dispatcher: Any, state: str, why: str) -> None:
-    """``_events.MOVED``: measure one steady call of what the dispatcher runs from now on."""
-    if not active():
-        return
-    if state == _events.WOVEN:
-        dispatcher.observe_next_call(_measuring(id(dispatcher)))
-    elif state == _events.PLAIN:
-        # Plain torch.compile compiles at its first call: the one after it is steady.
-        dispatcher.observe_next_call(_measuring(id(dispatcher)), skip=1)
-
-
-def on_ac_kept(dispatcher: Any) -> None:
-    """``_events.AC_KEPT``: blocks now run eager under their checkpoint; measure the next call again."""
-    if active() and dispatcher.state.value == _events.WOVEN:
-        dispatcher.observe_next_call(_measuring(id(dispatcher)))
-
-
 def _measuring(key: int) -> Callable[[], Callable[[Any], None] | None]:
     def before() -> Callable[[Any], None] | None:
         stance = _compat.dynamo.eager_stance()
         if stance is not None:  # runs eager by the user's choice: the next call is measured
-            record_unmeasured(key, stance)
+            _record("unmeasured", key, stance)
             return None
         since = counting.autograd_mark()  # None without grad: the next call is measured
         if since is None:
@@ -217,11 +152,19 @@ def _measuring(key: int) -> Callable[[], Callable[[Any], None] | None]:
         def after(out: Any) -> None:
             found = counting.autograd_gemms(out, since)
             if found is not None:
-                record_gemms(key, found)  # the plan entry's key (summary.keyed_entries)
+                _record("gemms", key, found)  # the plan entry's key (summary.keyed_entries)
 
         return after
 
     return before
+
+
+def _record(table: str, key: int, value: Any) -> None:
+    # Into the report collecting when the call comes: a report stopped since takes nothing.
+    stats = _stats
+    if stats is not None:
+        with _lock:
+            getattr(stats, table)[key] = value
 
 
 @dataclass
@@ -278,31 +221,49 @@ class _Stats:
         self.gemms: dict[int, counting.AutogradGemms] = {}
         # id(dispatcher) -> the stance that made a call offered to the measure run eager (passed)
         self.unmeasured: dict[int, str] = {}
-        self._limits = _taps.listening(RecompileLimit, self._on_limit)
-        self._unlisten: Callable[[], None] | None = None
-        self._unobserve: Callable[[], None] | None = None
-        self._unat: Callable[[], None] = lambda: None
+        self.break_sites: list[graph_breaks.BreakSite] = []  # where graph breaks were, in order
+        self._undos: list[Callable[[], None]] = []
 
     def install(self) -> None:
-        self._unobserve = _events.subscribe(_events.GRAPH_COMPILED, self.on_graph)
-        self.fallbacks.install()
-        graph_breaks.watch_graph_breaks()  # the user's line of each graph break (autoweave/observe/graph_breaks.py)
-        self._limits.start()  # dynamo's recompile-limit warnings (any compile, autoweave's or not)
-        # and the regions under an eager checkpoint that autoweave runs eager at the limit
-        self._unat = _events.subscribe(_events.AT_LIMIT, self._on_at_limit)
-        # Kept across torch._dynamo.reset(), which clears dynamo's callbacks (trace).
-        self._unlisten = trace.listen(self._on_start, self._on_end)
+        self._undos = [
+            _events.subscribe(_events.GRAPH_COMPILED, self.on_graph),
+            self.fallbacks.install().uninstall,
+            graph_breaks.listening(self.break_sites).start().stop,  # the user's line of each graph break
+            # dynamo's recompile-limit warnings (any compile, autoweave's or not)
+            _taps.listening(RecompileLimit, self._on_limit).start().stop,
+            # and the regions under an eager checkpoint that autoweave runs eager at the limit
+            _events.subscribe(_events.AT_LIMIT, self._on_at_limit),
+            # The dispatchers (``autoweave._events``): recorded plans name the regions, first-call
+            # fallbacks woven around are counted, one steady call of each module is measured.
+            _events.subscribe(_events.PLAN_RECORDED, self.name_regions),
+            _events.subscribe(_events.WOVEN_AROUND, self._on_woven_around),
+            _events.subscribe(_events.MOVED, self._on_move),
+            _events.subscribe(_events.AC_KEPT, self._on_ac_kept),
+            # Kept across torch._dynamo.reset(), which clears dynamo's callbacks (trace).
+            trace.listen(self._on_start, self._on_end),
+        ]
 
     def uninstall(self) -> None:
-        if self._unobserve is not None:
-            self._unobserve()
-            self._unobserve = None
-        self.fallbacks.uninstall()
-        self._limits.stop()
-        self._unat()
-        if self._unlisten is not None:
-            self._unlisten()
-            self._unlisten = None
+        while self._undos:
+            self._undos.pop()()
+
+    def _on_woven_around(self, dispatcher: Any, fallbacks: int) -> None:
+        # A first call fell back (``fallbacks`` messages); autoweave re-planned around the break.
+        with self._lock:
+            self.woven_around += fallbacks
+
+    def _on_move(self, dispatcher: Any, state: str, why: str) -> None:
+        # Measure one steady call of what the dispatcher runs from now on.
+        if state == _events.WOVEN:
+            dispatcher.observe_next_call(_measuring(id(dispatcher)))
+        elif state == _events.PLAIN:
+            # Plain torch.compile compiles at its first call: the one after it is steady.
+            dispatcher.observe_next_call(_measuring(id(dispatcher)), skip=1)
+
+    def _on_ac_kept(self, dispatcher: Any) -> None:
+        # Blocks now run eager under their checkpoint: measure the next call again.
+        if dispatcher.state.value == _events.WOVEN:
+            dispatcher.observe_next_call(_measuring(id(dispatcher)))
 
     def _on_limit(self, hit: RecompileLimit) -> None:
         self.limit_hits.append(hit.summary)
@@ -471,12 +432,10 @@ class _Stats:
                 "outside_regions": {"compiles": self.outside_compiles, "recompiles": self.outside_recompiles},
                 "graph_breaks": sum(breaks.values()),
                 "graph_break_reasons": dict(breaks.most_common()),
-                "graph_break_sites": graph_breaks.graph_break_sites(
-                    breaks
-                ),  # autoweave/observe/graph_breaks.py
+                "graph_break_sites": graph_breaks.graph_break_sites(self.break_sites, breaks),
                 "recompile_limit_hits": list(self.limit_hits),
             },
-            # One steady call of each compiled module, from autograd's record (observe.report).
+            # One steady call of each compiled module, from autograd's record (``_measuring``).
             "measured": {
                 "modules": len(measured),
                 "fully_compiled": sum(1 for m in measured.values() if m["eager_gemms"] == 0),
@@ -490,7 +449,7 @@ class _Stats:
                 "count": self.fallbacks.count,
                 # Seen at a first call, then compiled around from the next call on.
                 "woven_around": min(self.woven_around, self.fallbacks.count),
-                "sites": graph_breaks.fallback_sites(),  # autoweave/observe/graph_breaks.py
+                "sites": graph_breaks.fallback_sites(self.break_sites),
                 "messages": [{"message": m, "count": n} for m, n in fallback_messages.most_common()],
             },
         }

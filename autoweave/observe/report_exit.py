@@ -1,4 +1,4 @@
-"""The run report at exit: written to its JSON file, and rank 0's one-screen summary on stderr.
+"""The run report at exit (its JSON file, rank 0's one-screen summary), and who listens to the dispatchers.
 
 At exit (or at ``disable()``, which does first what exit would have done) the
 plan summary still waiting is logged, then the report is stopped, written
@@ -7,12 +7,11 @@ summarised on rank 0, after the plan summary. A process that compiled nothing
 (torchrun's launcher inherits ``AUTOWEAVE_REPORT`` and imports torch) writes and
 prints nothing: it would otherwise pose as rank 0 and overwrite rank 0's report.
 
-Who listens to the dispatchers: the observers subscribe when autoweave starts.
-
-The dispatchers publish their moves, plans and fallbacks (``autoweave._events``);
-the plan summary records each plan and logs itself when the next step begins,
-the report and the structured trace read each recorded plan, and the report
-counts fallbacks woven around and measures one call per module. Each
+``install`` wires the observers when the patches load. The dispatchers publish
+their moves, plans and fallbacks (``autoweave._events``): the plan summary
+records each plan and logs itself when the next step begins, and the
+structured trace writes each recorded plan; the report, when asked for,
+subscribes its own listeners while it collects (``observe.report``). Each
 subscription, the report and the exit hook is an install of its own
 (``autoweave._installs``): ``disable()`` does first what exit would have done
 (the pending plan summary, the report written and summarised), then takes
@@ -32,6 +31,7 @@ from typing import Any
 
 from autoweave import _events, _installs
 from autoweave._log import logger, rank
+from autoweave._state import run
 from autoweave.observe import graph_breaks, report, summary, trace
 from autoweave.observe.report import _Stats
 
@@ -200,23 +200,20 @@ def _write_and_summarise(stats: _Stats) -> None:
 
 def at_exit() -> None:
     """Log any pending plan summary; write the report and print its summary (rank 0). Never raises."""
-    if summary.waiting():
+    if run.summary_pending:  # plans recorded since the last summary
         _quietly("log the plan summary", summary.flush)
-    stats = report.collector()
+    stats = report._stats
     if stats is None or stats.path is None:
         return
     _quietly("write the report", _write_and_summarise, stats)
 
 
-# (topic, listener, install key): what each observer listens to.
+# (topic, listener, install key): what the plan summary and the trace listen to (the report
+# subscribes its own listeners while it collects: ``report._Stats.install``).
 _SUBSCRIPTIONS: tuple[tuple[str, Callable[..., None], str], ...] = (
     (_events.PLANNED, summary.on_planned, "plan listener: the plan summary records each plan"),
     (_events.CALLED_AGAIN, summary.on_called_again, "call listener: the plan summary at the next step"),
-    (_events.PLAN_RECORDED, report.on_plan, "plan listener: the report names its regions"),
     (_events.PLAN_RECORDED, trace.emit_plan, "plan listener: TORCH_TRACE writes each plan"),
-    (_events.WOVEN_AROUND, report.on_woven_around, "fallback listener: the report counts those woven around"),
-    (_events.MOVED, report.on_move, "move listener: the report measures one call of each module"),
-    (_events.AC_KEPT, report.on_ac_kept, "limit listener: the report measures a block back under its AC"),
 )
 
 

@@ -247,12 +247,7 @@ def format_summary(entries: list[Entry], *, covers: str = "") -> str:
 
 def inner_type(module: Any) -> str:
     """The user's module type under compile / checkpoint / FSDP1 wrappers."""
-    for _ in range(8):
-        inner = _compat.modules.wrapped_child(module)
-        if inner is None:
-            break
-        module = inner
-    return type(module).__name__
+    return type(sources._user_module(module)).__name__  # the unwrapping the plan's sources use
 
 
 def _path_in(owner: Any, module: Any) -> str | None:
@@ -362,33 +357,28 @@ def record_plan(dispatcher: Any, plan: Plan, *, plain_label: str | None = None) 
     recorded entry is published (``_events.PLAN_RECORDED``: the report, the trace).
     """
     with guard(f"recording the plan of {type(dispatcher.target).__name__}", quiet=True) as failed:
-        entry = _record(dispatcher, plan, plain_label, sys._getframe(1))
+        rank()  # remember the process group's rank while it exists: the summary may come at exit
+        target = dispatcher.target
+        applied = getattr(dispatcher, "_applied", None)
+        name, root = _locate(target, dispatcher, sys._getframe(1))
+        entry = Entry(
+            name=name,
+            type_name=inner_type(target),
+            plan=plan,
+            regions=dict(applied.regions) if applied is not None else {},
+            plain_label=plain_label,
+            model=_model_of(root),
+            dispatcher=_weak(dispatcher),
+        )
+        with _lock:
+            key = id(dispatcher)
+            run.plans[key] = entry
+            if key not in run.unsummarised:
+                run.unsummarised.append(key)
+            run.summary_pending = True
     if failed:
         return None
     _events.publish(_events.PLAN_RECORDED, entry)
-    return entry
-
-
-def _record(dispatcher: Any, plan: Plan, plain_label: str | None, caller: Any) -> Entry:
-    rank()  # remember the process group's rank while it exists: the summary may come at exit
-    target = dispatcher.target
-    applied = getattr(dispatcher, "_applied", None)
-    name, root = _locate(target, dispatcher, caller)
-    entry = Entry(
-        name=name,
-        type_name=inner_type(target),
-        plan=plan,
-        regions=dict(applied.regions) if applied is not None else {},
-        plain_label=plain_label,
-        model=_model_of(root),
-        dispatcher=_weak(dispatcher),
-    )
-    with _lock:
-        key = id(dispatcher)
-        run.plans[key] = entry
-        if key not in run.unsummarised:
-            run.unsummarised.append(key)
-        run.summary_pending = True
     return entry
 
 
@@ -404,14 +394,8 @@ def unmeasured() -> int:
     return sum(1 for first in list(run.measuring) if not first.finished)
 
 
-def waiting() -> bool:
-    """Is a summary waiting to be logged (plans recorded since the last)?"""
-    return run.summary_pending
-
-
 def entries() -> list[Entry]:
-    with _lock:
-        return list(run.plans.values())
+    return [entry for _, entry in keyed_entries()]
 
 
 def keyed_entries() -> list[tuple[int, Entry]]:

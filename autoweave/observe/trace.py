@@ -13,17 +13,16 @@ Two artifacts, both JSON:
 
 Nothing is registered or emitted unless a structured trace is being written.
 
-dynamo's compile callbacks for autoweave's listeners, kept across ``torch._dynamo.reset()``.
-
-The run report (``report_stats``) and the structured trace (``trace``) hear of
-every compile through dynamo's compile start/end callbacks
-(``torch._dynamo.callback.callback_handler``). ``torch._dynamo.reset()`` and
-``torch.compiler.reset()``, which frameworks call between train and eval, clear
-that registry (every torch autoweave supports), so every later compile went
-unheard. ``listen`` registers callbacks and, while autoweave is on, keeps the
-registry's ``clear`` wrapped (an install, with its undo): right after a clear,
-whoever asked is registered again. Wrapping ``clear`` rather than the reset
-functions also covers a ``reset`` imported by name before autoweave was on.
+Also here: dynamo's compile callbacks for autoweave's listeners, kept across
+``torch._dynamo.reset()``. The run report (``observe.report``) and the
+structured trace hear of every compile through dynamo's compile start/end
+callbacks (``torch._dynamo.callback.callback_handler``). ``torch._dynamo.reset()``
+and ``torch.compiler.reset()``, which frameworks call between train and eval,
+clear that registry (every torch autoweave supports), so every later compile
+went unheard. ``listen`` registers callbacks and, while autoweave is on, keeps
+the registry's ``clear`` wrapped (an install, with its undo): right after a
+clear, whoever asked is registered again. Wrapping ``clear`` rather than the
+reset functions also covers a ``reset`` imported by name before autoweave was on.
 """
 
 from __future__ import annotations
@@ -43,6 +42,8 @@ from autoweave.planning import sources
 
 PLAN_ARTIFACT = "autoweave_plan"
 REGION_ARTIFACT = "autoweave_region"
+# The install (``autoweave._installs``) of the compile-start callback that writes each region.
+_REGION_CALLBACK = "dynamo compile-start callback: TORCH_TRACE writes each woven region"
 
 # What each region's artifact says lives on ``_state.run.trace_regions``.
 _lock = threading.Lock()
@@ -94,7 +95,7 @@ def emit_plan(entry: summary.Entry) -> None:
                 if decision["path"] not in region["modules"]:
                     region["modules"].append(decision["path"])
                     region["decisions"].append(decision)
-        _install_callback()
+        _installs.install(_REGION_CALLBACK, lambda: listen(start=_on_compile_start))
         _emit(PLAN_ARTIFACT, payload)
 
 
@@ -122,14 +123,6 @@ def _on_compile_start(args: Any = None, *_: Any) -> None:
         label = region_label(code.co_name) if code is not None else None
         if label is not None:
             emit_region(label, code_name=code.co_name)
-
-
-def _install_callback() -> None:
-    _installs.install("dynamo compile-start callback: TORCH_TRACE writes each woven region", _add_callback)
-
-
-def _add_callback() -> Callable[[], None] | None:
-    return listen(start=_on_compile_start)
 
 
 def _emit(name: str, payload: dict[str, Any]) -> None:
