@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import dis
 import functools
-import os
 import sys
 import types
 from typing import Any
 
 from autoweave import _compat
+from autoweave.planning import sources
 
 _CHECKPOINT_FUNCTIONS = frozenset({"checkpoint", "checkpoint_sequential"})
 _LOADS_FROM = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FAST", "LOAD_FAST_CHECK"}
@@ -67,17 +67,6 @@ def is_checkpoint(obj: Any) -> bool:
             return False
         obj = wrapped
     return False
-
-
-def _torch_dir() -> str:
-    import torch
-
-    return os.path.dirname(os.path.abspath(torch.__file__))
-
-
-def _is_user_function(fn: Any) -> bool:
-    code = getattr(fn, "__code__", None)
-    return isinstance(code, types.CodeType) and not os.path.abspath(code.co_filename).startswith(_torch_dir())
 
 
 def _instance_attribute(owner: Any, name: str) -> Any:
@@ -220,7 +209,7 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
             return True
         if depth > 0 and callable(current):
             target = current.__func__ if isinstance(current, types.MethodType) else current
-            if _is_user_function(target):
+            if sources.user_function(target):
                 callees.append((current, owner if isinstance(current, types.MethodType) else None))
     for const in code.co_consts:
         if isinstance(const, types.CodeType) and id(const) not in seen:
@@ -239,7 +228,7 @@ def call_checkpoints(module: Any) -> bool:
     call = next(
         (cls.__dict__["__call__"] for cls in type(module).__mro__ if "__call__" in cls.__dict__), None
     )
-    if call is None or call is nn.Module.__call__ or not _is_user_function(call):
+    if call is None or call is nn.Module.__call__ or not sources.user_function(call):
         return False
     return code_checkpoints(call, module)
 

@@ -204,11 +204,6 @@ def _span(code: Any) -> tuple[str, int, int] | None:
     return os.path.abspath(code.co_filename), min(lines), max(lines)
 
 
-def _forward_span(module: nn.Module) -> tuple[str, int, int] | None:
-    code = forward_code(module)
-    return _span(code) if code is not None else None
-
-
 def locate(target: nn.Module, breaks: list[Break]) -> dict[int, str]:
     """Modules of ``target`` (by id) whose own forward holds a break, with a reason naming file:line.
 
@@ -216,13 +211,10 @@ def locate(target: nn.Module, breaks: list[Break]) -> dict[int, str]:
     inside a module's forward wins. Several instances of one class all match
     (they run the same code).
     """
-    import torch
-
-    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     spans: list[tuple[tuple[str, int, int], nn.Module]] = []
     for _, module in target.named_modules():
-        span = _forward_span(module)
-        if span is not None and not span[0].startswith(torch_dir):  # wrappers' forwards are torch's
+        span = _span(forward_code(module))
+        if span is not None and not sources.torch_file(span[0]):  # wrappers' forwards are torch's
             spans.append((span, module))
     found: dict[int, str] = {}
     for brk in breaks:
