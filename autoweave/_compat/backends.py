@@ -24,6 +24,7 @@ for one and was closed by pointing at this same debug API). Where they are missi
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -138,8 +139,16 @@ RESUME_PREFIX = "__resume_at_"
 _GUARDED_ATTRIBUTE = re.compile(r"\.([A-Za-z_]\w*)\s*(?:==|!=|is\b)")
 
 
-def _cache_entries(code: Any) -> list[Any]:
-    entries = find_optional("torch._dynamo.eval_frame._debug_get_cache_entry_list")
+@functools.cache
+def _cache_entry_list() -> Callable[..., list[Any]] | None:
+    # Looked up once: ``dynamo.lookups_in_order`` asks on every woven call inside an eager checkpoint.
+    # The C name: ``torch._dynamo.eval_frame``'s function of that name only forwards to it.
+    return find_optional("torch._C._dynamo.eval_frame._debug_get_cache_entry_list")
+
+
+def cache_entries(code: Any) -> list[Any]:
+    """The cache entries dynamo holds for ``code`` ([] where it holds none, or they cannot be read)."""
+    entries = _cache_entry_list()
     if entries is None:
         return []
     try:
@@ -160,7 +169,7 @@ def guard_texts(fn: Callable[..., Any]) -> Iterator[str]:
         seen.add(id(code))
         # A decorator's copied wrapper breaks at its call of the wrapped copy: a frame of its own.
         todo.append(getattr(current, "__wrapped__", None))
-        for entry in _cache_entries(code):
+        for entry in cache_entries(code):
             manager = getattr(entry, "guard_manager", None)
             yield from getattr(manager, "code_parts", None) or ()
             transformed = getattr(entry, "code", None)

@@ -218,20 +218,13 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
             f"dynamo's suppressed-error message {log_strings.SUPPRESSED_NEEDLE!r}",
             lambda: _source_has("torch._dynamo.exc", log_strings.SUPPRESSED_NEEDLE),
         ),
-        ("torch._C._dynamo.eval_frame.set_code_exec_strategy", _code_exec_strategy),
+        ("torch._C._dynamo.eval_frame.set_code_exec_strategy", lambda: list(map(find, dynamo.EXEC_STRATEGY))),
     )
 
 
 def _convert_frame_argument() -> bool:
     code = dynamo.convert_frame_call_code()
     return code is not None and "frame" in code.co_varnames[: code.co_argcount]
-
-
-def _code_exec_strategy() -> bool:
-    from torch._C._dynamo.eval_frame import set_code_exec_strategy  # noqa: F401
-    from torch._dynamo.types import FrameAction, FrameExecStrategy  # noqa: F401
-
-    return True
 
 
 def _self_check_once() -> list[str]:
