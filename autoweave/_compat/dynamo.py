@@ -491,9 +491,9 @@ def lookups_in_order(
 _RESUME_NAME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
 
 
-def resumed_name(code_name: str) -> str:
-    """The name of the frame a resume function continues (through resumes of resumes); else ``code_name``."""
-    for _ in range(8):
+def resumed_name(code_name: str, *, levels: int = 8) -> str:
+    """The frame a resume function continues (through ``levels`` resumes of resumes); else ``code_name``."""
+    for _ in range(levels):
         match = _RESUME_NAME.match(code_name)
         if match is None:
             break
