@@ -237,10 +237,9 @@ def call_checkpoints(module: Any) -> bool:
 TRACING_STRATEGIES = ("auto", "pieces")
 
 
-def context_fn_of(module: Any) -> Any:
-    """The ``context_fn`` a CheckpointWrapper passes to torch's checkpoint (None: none, or full AC)."""
-    fn = getattr(module, "checkpoint_fn", None)
-    keywords = getattr(fn, "keywords", None) or {}
+def context_fn_of(checkpoint_fn: Any) -> Any:
+    """The ``context_fn`` a wrapper's ``checkpoint_fn`` hands torch's checkpoint (None: none, or full AC)."""
+    keywords = getattr(checkpoint_fn, "keywords", None) or {}
     context_fn = keywords.get("context_fn")
     if context_fn is None or getattr(context_fn, "__name__", "") == "noop_context_fn":
         return None

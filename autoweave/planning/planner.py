@@ -396,8 +396,7 @@ def checkpoint_spec(module: nn.Module) -> CheckpointSpec | None:
         return None
     fn = getattr(module, "checkpoint_fn", None)
     keywords = dict(getattr(fn, "keywords", {}) or {})
-    context_fn = keywords.get("context_fn")
-    selective = context_fn is not None and getattr(context_fn, "__name__", "") != "noop_context_fn"
+    selective = checkpoint_calls.context_fn_of(fn) is not None
     impl = getattr(module, "checkpoint_impl", None)
     reentrant = getattr(impl, "name", "") == "REENTRANT" or bool(keywords.get("use_reentrant"))
     options = tuple(sorted((k, _short(v)) for k, v in keywords.items()))
