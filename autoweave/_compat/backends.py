@@ -29,7 +29,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from autoweave._compat.lookup import UnsupportedTorch, find_optional
+from autoweave._compat.lookup import UnsupportedTorch, find, find_optional
 
 
 def lookup_backend(backend: Any) -> Any:
@@ -47,22 +47,15 @@ def compile_backend(
     Lets the report wrap it (to count graphs) and hand ``torch.compile`` the
     wrapper with ``mode``/``options`` removed, compiling exactly the same way.
     """
-    import torch
-
     if mode is None and options is None:
         mode = "default"
     if backend is None or backend == "inductor":
-        wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
-        if wrapper is None:
-            raise UnsupportedTorch("torch._TorchCompileInductorWrapper is missing")
+        wrapper = find("torch._TorchCompileInductorWrapper")
         try:
             return wrapper(mode, options, dynamic, name)
         except TypeError:  # torch before the `name` argument
             return wrapper(mode, options, dynamic)
-    wrapper = getattr(torch, "_TorchCompileWrapper", None)
-    if wrapper is None:
-        raise UnsupportedTorch("torch._TorchCompileWrapper is missing")
-    return wrapper(backend, mode, options, dynamic)
+    return find("torch._TorchCompileWrapper")(backend, mode, options, dynamic)
 
 
 class ForwardsToInner:
