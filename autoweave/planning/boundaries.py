@@ -60,12 +60,6 @@ def register_boundary(predicate: Predicate, *, name: str | None = None) -> Predi
     return predicate
 
 
-def unregister_boundary(predicate: Predicate) -> None:
-    with _lock:
-        _predicates[:] = [(n, p) for n, p in _predicates if p is not predicate]
-    bump()
-
-
 def _hooks_disabled(module: nn.Module) -> bool:
     for hooks in _compat.modules.forward_hook_dicts(module):
         for hook in hooks.values():
