@@ -1,4 +1,7 @@
-"""The backend ``torch.compile`` builds from its arguments, and wrapping it without changing what compiles.
+"""The backend ``torch.compile`` builds, wrapped unchanged, and what dynamo guards compiled code on.
+
+The backend: what ``torch.compile`` builds from its arguments, wrapped without
+changing what compiles.
 
 Torch range: ``torch._TorchCompileInductorWrapper`` / ``torch._TorchCompileWrapper``
 and ``torch._dynamo.backends.registry.lookup_backend`` on 2.11-2.15 (the inductor
@@ -8,18 +11,18 @@ no upstream issue asks for one that we found. Why a wrapper must compare as the
 backend it wraps: dynamo reuses a frame's graphs only for an equal backend, and
 recompiles everything for a backend built anew (pytorch#168373, open).
 
-What dynamo guards a compiled function on: its cache entries' guard text (torch 2.4+).
-
-A shared region splits only where dynamo really specializes on something that
-differs between the blocks sharing it (``weave/shared_kinds``). The evidence is
-dynamo's own: the guards of the cache entries it made for the region's code and
-for the resume functions it made at each graph break. Nothing here changes a
-cache; reading one costs a walk of a few entries, done only after a compile.
+The guards: a shared region splits only where dynamo really specializes on
+something that differs between the blocks sharing it (``weave/shared_kinds``).
+The evidence is dynamo's own: the guard text (torch 2.4+) of the cache entries
+it made for the region's code and for the resume functions it made at each graph
+break. Nothing here changes a cache; reading one costs a walk of a few entries,
+done only after a compile.
 
 TODO: ``_debug_get_cache_entry_list`` and ``GuardManagerWrapper.code_parts``
 (checked on torch 2.13) are debugging surfaces with no stability promise; a
-public "guards of this code" query would retire this module (pytorch#114082 asked
-for one and was closed by pointing at this same debug API). Where they are missing nothing is read and nothing splits.
+public "guards of this code" query would retire the guard reading here
+(pytorch#114082 asked for one and was closed by pointing at this same debug
+API). Where they are missing nothing is read and nothing splits.
 """
 
 from __future__ import annotations

@@ -1,23 +1,25 @@
-"""dynamo's private machinery autoweave calls: counters, callbacks, code resets, the compile in progress.
+"""dynamo's private machinery autoweave calls, and failing open inside dynamo.
 
-Torch range: 2.11-2.15 (``version.TESTED_TORCH``); ``version.self_check`` probes
-each on a newer torch; none has a public equivalent. Why autoweave needs them
-at all: a graph break inside a checkpointed region makes dynamo run the whole
-region eager (pytorch#139989; most of this goes when dynamo compiles around such
-a break itself).
+The machinery: counters, callbacks, code resets, the compile in progress. Torch
+range: 2.11-2.15 (``version.TESTED_TORCH``); ``version.self_check`` probes each
+on a newer torch; none has a public equivalent. Why autoweave needs them at all:
+a graph break inside a checkpointed region makes dynamo run the whole region
+eager (pytorch#139989; most of this goes when dynamo compiles around such a
+break itself).
 
-Failing open inside dynamo: a graph or a frame that fails to compile runs eager, in the same call.
+Failing open inside dynamo: a graph or a frame that fails to compile runs eager,
+in the same call. This is what torch's ``torch._dynamo.config.suppress_errors``
+does, scoped to autoweave's regions (see ``autoweave._failopen``): a graph the
+backend fails on, or a frame dynamo fails to convert, runs eager instead of
+raising. Dynamo converts a frame before running it, so running that frame eager
+runs nothing twice. The warning dynamo logs for such a frame is read in
+``log_strings`` (``WontConvert``).
 
-What torch's ``torch._dynamo.config.suppress_errors`` does, scoped to autoweave's
-regions (see ``autoweave._failopen``): a graph the backend fails on, or a frame
-dynamo fails to convert, runs eager instead of raising. Dynamo converts a frame
-before running it, so running that frame eager runs nothing twice. The warning
-dynamo logs for such a frame is read in ``log_strings`` (``WontConvert``).
-
-Torch range: ``suppress_errors``, ``ConvertFrame.__call__(frame, ...)`` and
-``set_code_exec_strategy`` as on 2.11-2.15 (``version.self_check`` probes them).
-torch has no per-region ``suppress_errors`` and no public way to undo the skip
-it puts on a failed frame; no upstream issue asks for either that we found.
+Torch range of failing open: ``suppress_errors``, ``ConvertFrame.__call__(frame,
+...)`` and ``set_code_exec_strategy`` as on 2.11-2.15 (``version.self_check``
+probes them). torch has no per-region ``suppress_errors`` and no public way to
+undo the skip it puts on a failed frame; no upstream issue asks for either that
+we found.
 """
 
 from __future__ import annotations

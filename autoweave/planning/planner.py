@@ -1,6 +1,7 @@
 """Pure planning: a module tree in, a plan (what to compile, what to leave, why) out.
 
-Nothing here compiles or changes a module; ``weave.apply_plan`` does that.
+Reads only: nothing here compiles, changes a module or calls the user's code;
+``weave.apply_plan`` carries the plan out.
 
 Vocabulary. A *region* is a module whose forward is compiled on its own. A
 *boundary* is a module whose call dynamo cannot trace (an FSDP unit, say): it
@@ -8,14 +9,10 @@ splits any region that contains it. A boundary inside a checkpointed region
 that dynamo traces makes dynamo give up on the whole checkpointed region (it
 runs eager, forward and recompute), which is the loss autoweave exists to avoid.
 
-The plan's data types live in ``plans``, the reading of the tree in ``tree``, and
-where each AC wrapper's checkpoint goes in ``strategies``; this module walks the
-tree and lays the decisions out.
-
-Reading a module tree for one planning pass: AC wrappers, compiled wrappers, checkpoints in
-code, and where the boundaries sit.
-
-Reads only: nothing here changes a module or calls the user's code.
+The plan's data types, and where each AC wrapper's checkpoint goes, live in
+``plans``. Here the tree is read for one planning pass (``Tree`` and the
+readers beside it: AC wrappers, compiled wrappers, checkpoints in code, where
+the boundaries sit), then walked (``_Planner``) to lay the decisions out.
 """
 
 from __future__ import annotations
@@ -426,7 +423,7 @@ def unwrap(module: nn.Module) -> nn.Module:
 def calls_checkpoint(module: nn.Module) -> bool:
     """Does this module's own forward call torch's ``checkpoint`` (read from its code)?
 
-    A heuristic (see ``checkpoints``): when it misses one, the runtime still
+    A heuristic (see ``checkpoint_calls``): when it misses one, the runtime still
     notices dynamo's fallback at the first call and re-plans from the next call.
     """
     forward = boundaries.user_forward(module)

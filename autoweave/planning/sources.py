@@ -71,7 +71,7 @@ def break_frames(found: Break) -> list[Frame]:
 
     The one reading of a break's place: the report names the first of these
     (``observe.graph_breaks``), the planner the first that lies in a module's
-    forward (``learned_breaks.locate``). A break logged without a stack in user
+    forward (``learned.locate``). A break logged without a stack in user
     code (dynamo logs a repeated one so) falls back to dynamo's own
     "in user code at" line, when that is the user's.
     """
