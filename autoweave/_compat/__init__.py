@@ -9,10 +9,10 @@ issue that would retire it, at the workaround:
 - ``lookup``: finding a torch name by path; ``UnsupportedTorch``.
 - ``modules``: private attributes of torch's modules and wrappers (OptimizedModule,
   CheckpointWrapper, FSDP, nn.Module's stores and hooks).
-- ``guards``: what dynamo guards a compiled function on (its cache entries' backends).
-- ``dynamo``: dynamo's counters, callbacks, code resets, the compile in progress.
-- ``backends``: the backend ``torch.compile`` builds, and wrapping it unchanged.
-- ``conversion``: failing open inside dynamo (suppressed errors, compiling a skipped frame again).
+- ``dynamo``: dynamo's counters, callbacks, code resets, the compile in progress,
+  and failing open inside dynamo (suppressed errors, compiling a skipped frame again).
+- ``backends``: the backend ``torch.compile`` builds, wrapping it unchanged, and
+  what dynamo guards a compiled function on (its cache entries).
 - ``log_strings``: dynamo's log messages, each read in one place into a typed record.
 - ``checkpoints``: the traced checkpoint operator, the SAC policy, saved-tensor hooks,
   autograd's node numbers, fake tensors.
@@ -35,9 +35,7 @@ from autoweave._compat import backends, checkpoints, dynamo, log_strings, lookup
 __all__ = [
     "backends",
     "checkpoints",
-    "conversion",
     "dynamo",
-    "guards",
     "log_strings",
     "lookup",
     "modules",

@@ -1,4 +1,7 @@
-"""The backend ``torch.compile`` builds from its arguments, and wrapping it without changing what compiles.
+"""The backend ``torch.compile`` builds, wrapped unchanged, and what dynamo guards compiled code on.
+
+The backend: what ``torch.compile`` builds from its arguments, wrapped without
+changing what compiles.
 
 Torch range: ``torch._TorchCompileInductorWrapper`` / ``torch._TorchCompileWrapper``
 and ``torch._dynamo.backends.registry.lookup_backend`` on 2.11-2.15 (the inductor
@@ -8,27 +11,28 @@ no upstream issue asks for one that we found. Why a wrapper must compare as the
 backend it wraps: dynamo reuses a frame's graphs only for an equal backend, and
 recompiles everything for a backend built anew (pytorch#168373, open).
 
-What dynamo guards a compiled function on: its cache entries' guard text (torch 2.4+).
-
-A shared region splits only where dynamo really specializes on something that
-differs between the blocks sharing it (``weave/shared_kinds``). The evidence is
-dynamo's own: the guards of the cache entries it made for the region's code and
-for the resume functions it made at each graph break. Nothing here changes a
-cache; reading one costs a walk of a few entries, done only after a compile.
+The guards: a shared region splits only where dynamo really specializes on
+something that differs between the blocks sharing it (``weave/shared_kinds``).
+The evidence is dynamo's own: the guard text (torch 2.4+) of the cache entries
+it made for the region's code and for the resume functions it made at each graph
+break. Nothing here changes a cache; reading one costs a walk of a few entries,
+done only after a compile.
 
 TODO: ``_debug_get_cache_entry_list`` and ``GuardManagerWrapper.code_parts``
 (checked on torch 2.13) are debugging surfaces with no stability promise; a
-public "guards of this code" query would retire this module (pytorch#114082 asked
-for one and was closed by pointing at this same debug API). Where they are missing nothing is read and nothing splits.
+public "guards of this code" query would retire the guard reading here
+(pytorch#114082 asked for one and was closed by pointing at this same debug
+API). Where they are missing nothing is read and nothing splits.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from autoweave._compat.lookup import UnsupportedTorch, find_optional
+from autoweave._compat.lookup import UnsupportedTorch, find, find_optional
 
 
 def lookup_backend(backend: Any) -> Any:
@@ -46,22 +50,15 @@ def compile_backend(
     Lets the report wrap it (to count graphs) and hand ``torch.compile`` the
     wrapper with ``mode``/``options`` removed, compiling exactly the same way.
     """
-    import torch
-
     if mode is None and options is None:
         mode = "default"
     if backend is None or backend == "inductor":
-        wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
-        if wrapper is None:
-            raise UnsupportedTorch("torch._TorchCompileInductorWrapper is missing")
+        wrapper = find("torch._TorchCompileInductorWrapper")
         try:
             return wrapper(mode, options, dynamic, name)
         except TypeError:  # torch before the `name` argument
             return wrapper(mode, options, dynamic)
-    wrapper = getattr(torch, "_TorchCompileWrapper", None)
-    if wrapper is None:
-        raise UnsupportedTorch("torch._TorchCompileWrapper is missing")
-    return wrapper(backend, mode, options, dynamic)
+    return find("torch._TorchCompileWrapper")(backend, mode, options, dynamic)
 
 
 class ForwardsToInner:
@@ -138,8 +135,16 @@ RESUME_PREFIX = "__resume_at_"
 _GUARDED_ATTRIBUTE = re.compile(r"\.([A-Za-z_]\w*)\s*(?:==|!=|is\b)")
 
 
-def _cache_entries(code: Any) -> list[Any]:
-    entries = find_optional("torch._dynamo.eval_frame._debug_get_cache_entry_list")
+@functools.cache
+def _cache_entry_list() -> Callable[..., list[Any]] | None:
+    # Looked up once: ``dynamo.lookups_in_order`` asks on every woven call inside an eager checkpoint.
+    # The C name: ``torch._dynamo.eval_frame``'s function of that name only forwards to it.
+    return find_optional("torch._C._dynamo.eval_frame._debug_get_cache_entry_list")
+
+
+def cache_entries(code: Any) -> list[Any]:
+    """The cache entries dynamo holds for ``code`` ([] where it holds none, or they cannot be read)."""
+    entries = _cache_entry_list()
     if entries is None:
         return []
     try:
@@ -160,7 +165,7 @@ def guard_texts(fn: Callable[..., Any]) -> Iterator[str]:
         seen.add(id(code))
         # A decorator's copied wrapper breaks at its call of the wrapped copy: a frame of its own.
         todo.append(getattr(current, "__wrapped__", None))
-        for entry in _cache_entries(code):
+        for entry in cache_entries(code):
             manager = getattr(entry, "guard_manager", None)
             yield from getattr(manager, "code_parts", None) or ()
             transformed = getattr(entry, "code", None)

@@ -1,23 +1,25 @@
-"""dynamo's private machinery autoweave calls: counters, callbacks, code resets, the compile in progress.
+"""dynamo's private machinery autoweave calls, and failing open inside dynamo.
 
-Torch range: 2.11-2.15 (``version.TESTED_TORCH``); ``version.self_check`` probes
-each on a newer torch; none has a public equivalent. Why autoweave needs them
-at all: a graph break inside a checkpointed region makes dynamo run the whole
-region eager (pytorch#139989; most of this goes when dynamo compiles around such
-a break itself).
+The machinery: counters, callbacks, code resets, the compile in progress. Torch
+range: 2.11-2.15 (``version.TESTED_TORCH``); ``version.self_check`` probes each
+on a newer torch; none has a public equivalent. Why autoweave needs them at all:
+a graph break inside a checkpointed region makes dynamo run the whole region
+eager (pytorch#139989; most of this goes when dynamo compiles around such a
+break itself).
 
-Failing open inside dynamo: a graph or a frame that fails to compile runs eager, in the same call.
+Failing open inside dynamo: a graph or a frame that fails to compile runs eager,
+in the same call. This is what torch's ``torch._dynamo.config.suppress_errors``
+does, scoped to autoweave's regions (see ``autoweave._failopen``): a graph the
+backend fails on, or a frame dynamo fails to convert, runs eager instead of
+raising. Dynamo converts a frame before running it, so running that frame eager
+runs nothing twice. The warning dynamo logs for such a frame is read in
+``log_strings`` (``WontConvert``).
 
-What torch's ``torch._dynamo.config.suppress_errors`` does, scoped to autoweave's
-regions (see ``autoweave._failopen``): a graph the backend fails on, or a frame
-dynamo fails to convert, runs eager instead of raising. Dynamo converts a frame
-before running it, so running that frame eager runs nothing twice. The warning
-dynamo logs for such a frame is read in ``log_strings`` (``WontConvert``).
-
-Torch range: ``suppress_errors``, ``ConvertFrame.__call__(frame, ...)`` and
-``set_code_exec_strategy`` as on 2.11-2.15 (``version.self_check`` probes them).
-torch has no per-region ``suppress_errors`` and no public way to undo the skip
-it puts on a failed frame; no upstream issue asks for either that we found.
+Torch range of failing open: ``suppress_errors``, ``ConvertFrame.__call__(frame,
+...)`` and ``set_code_exec_strategy`` as on 2.11-2.15 (``version.self_check``
+probes them). torch has no per-region ``suppress_errors`` and no public way to
+undo the skip it puts on a failed frame; no upstream issue asks for either that
+we found.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from autoweave._compat.backends import cache_entries
 from autoweave._compat.checkpoints import in_eager_checkpoint as _in_eager_checkpoint
 from autoweave._compat.lookup import UnsupportedTorch, find, find_optional
 
@@ -119,18 +122,27 @@ def skip_own_frame(fn: Any) -> bool:
     code = getattr(fn, "__code__", None)
     if code is None:
         return False
-    # dynamo's ``skip_code`` is these three C names: read from the C module, they cost no
-    # ``import torch._dynamo`` (1.6 s of CPU), which a process that never compiles must not pay.
-    set_strategy = find_optional("torch._C._dynamo.eval_frame.set_code_exec_strategy")
-    strategy = find_optional("torch._C._dynamo.eval_frame._FrameExecStrategy")
-    action = find_optional("torch._C._dynamo.eval_frame._FrameAction")
-    if set_strategy is None or strategy is None or action is None:
-        skip_code = find_optional("torch._dynamo.eval_frame.skip_code")
-        if skip_code is None:
-            return False
-        skip_code(code)
+    if _set_exec_strategy(code, skip=True):
         return True
-    set_strategy(code, strategy(action.SKIP, action.DEFAULT))
+    skip_code = find_optional("torch._dynamo.eval_frame.skip_code")
+    if skip_code is None:
+        return False
+    skip_code(code)
+    return True
+
+
+_C_FRAME = "torch._C._dynamo.eval_frame."
+# dynamo's ``skip_code`` is these three C names: read from the C module, they cost no
+# ``import torch._dynamo`` (1.6 s of CPU), which a process that never compiles must not pay.
+EXEC_STRATEGY = tuple(_C_FRAME + n for n in ("set_code_exec_strategy", "_FrameExecStrategy", "_FrameAction"))
+
+
+def _set_exec_strategy(code: Any, *, skip: bool) -> bool:
+    # dynamo skips ``code``'s own frames (``skip``) or converts them again; False: not on this torch.
+    set_strategy, strategy, action = (find_optional(path) for path in EXEC_STRATEGY)
+    if set_strategy is None or strategy is None or action is None:
+        return False
+    set_strategy(code, strategy(action.SKIP if skip else action.DEFAULT, action.DEFAULT))
     return True
 
 
@@ -362,12 +374,6 @@ def _insertion_order() -> _InsertionOrder | None:
     return None if set_lru is None else _InsertionOrder(set_lru)
 
 
-@functools.cache
-def _cache_entries_of() -> Callable[[types.CodeType], list[Any]] | None:
-    # Looked up once: the check runs on every woven call inside an eager checkpoint.
-    return find_optional("torch._C._dynamo.eval_frame._debug_get_cache_entry_list")
-
-
 def _no_entry_at_limit(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], limit: int | None
 ) -> bool:
@@ -378,10 +384,7 @@ def _no_entry_at_limit(
     cells). Any doubt (a torch without these names, an argument that does not
     bind) answers False: the call then goes to dynamo as before.
     """
-    entries_of = _cache_entries_of()
-    if entries_of is None:
-        return False
-    entries = entries_of(fn.__code__)
+    entries = cache_entries(fn.__code__)
     if not entries:
         return False
     try:
@@ -490,9 +493,9 @@ def lookups_in_order(
 _RESUME_NAME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
 
 
-def resumed_name(code_name: str) -> str:
-    """The name of the frame a resume function continues (through resumes of resumes); else ``code_name``."""
-    for _ in range(8):
+def resumed_name(code_name: str, *, levels: int = 8) -> str:
+    """The frame a resume function continues (through ``levels`` resumes of resumes); else ``code_name``."""
+    for _ in range(levels):
         match = _RESUME_NAME.match(code_name)
         if match is None:
             break
@@ -571,10 +574,5 @@ def suppressing_errors() -> Iterator[bool]:
 
 def compile_again(code: Any) -> None:
     """Undo the skip dynamo put on ``code`` when it suppressed an error there: its next call compiles."""
-    try:
-        from torch._C._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except ImportError:
+    if not _set_exec_strategy(code, skip=False):
         reset_code(code)
-        return
-    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))

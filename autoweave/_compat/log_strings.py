@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from autoweave._compat import dynamo
+
 # "<checkpoint> ... will fall back to eager-mode PyTorch": a traced checkpoint gave up
 # (``speculate_subgraph`` in torch/_dynamo/variables/higher_order_ops.py, at INFO); the
 # ``Unsupported`` error that made it give up is logged next, as the record's message.
@@ -45,9 +47,6 @@ _AT = re.compile(r"in user code at (.+?):(\d+)")
 _REASON = re.compile(r"Graph Break Reason: (.*)")
 # The function line of the recompile-limit warning: ``function: 'name' (file:line)``.
 _LIMIT_FUNCTION = re.compile(r"function: '([^']+)'")
-# The code dynamo makes to resume a frame after a graph break is named after it
-# (``torch_dynamo_resume_in_<name>_at_<line>``, torch/_dynamo/resume_execution.py).
-_RESUME = re.compile(r"torch_dynamo_resume_in_(.+)_at_\d+")
 
 
 @dataclass(frozen=True)
@@ -122,12 +121,8 @@ class RecompileLimit:
     def in_function(self, name: str) -> bool:
         """Did the code named ``name`` hit the limit, or a resume function dynamo made of it at a break?"""
         code = self.code_name
-        while code is not None:
-            if code == name:
-                return True
-            resumed = _RESUME.fullmatch(code)
-            code = resumed.group(1) if resumed else None
-        return False
+        # Every level: each strips a prefix, so a name of n characters has fewer than n.
+        return code is not None and dynamo.resumed_name(code, levels=len(code)) == name
 
     @property
     def summary(self) -> str:

@@ -9,6 +9,7 @@ otherwise. ``AUTOWEAVE_UNTESTED_TORCH=off`` keeps it off on any newer torch.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import re
@@ -152,8 +153,9 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
     """(what, probe) for every torch name autoweave relies on; a probe is truthy when it is there."""
     import torch
 
-    def has(path: str) -> Callable[[], bool]:
-        return lambda: find(path) is not None
+    def has(path: str) -> tuple[str, Callable[[], bool]]:
+        # A row for a name that only has to exist: reported by its own path.
+        return path, lambda: find(path) is not None
 
     return (
         ("torch._dynamo.eval_frame.OptimizedModule", modules.optimized_module),
@@ -179,22 +181,16 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
             f"the checkpoint operator's {checkpoints.CHECKPOINT_CONTEXT_FN_KEY!r} key",
             lambda: _source_has("torch._higher_order_ops.wrap", checkpoints.CHECKPOINT_CONTEXT_FN_KEY),
         ),
-        ("torch._dynamo.exc.Unsupported", has("torch._dynamo.exc.Unsupported")),
-        ("torch._dynamo.disable", has("torch._dynamo.disable")),
-        ("torch._dynamo.reset_code", has("torch._dynamo.reset_code")),
-        ("torch._dynamo.utils.counters", has("torch._dynamo.utils.counters")),
-        (
-            "torch._dynamo.backends.registry.lookup_backend",
-            has("torch._dynamo.backends.registry.lookup_backend"),
-        ),
-        ("torch._TorchCompileInductorWrapper", has("torch._TorchCompileInductorWrapper")),
-        ("torch._TorchCompileWrapper", has("torch._TorchCompileWrapper")),
-        ("torch._dynamo.callback.callback_handler", has("torch._dynamo.callback.callback_handler")),
+        has("torch._dynamo.exc.Unsupported"),
+        has("torch._dynamo.disable"),
+        has("torch._dynamo.reset_code"),
+        has("torch._dynamo.utils.counters"),
+        has("torch._dynamo.backends.registry.lookup_backend"),
+        has("torch._TorchCompileInductorWrapper"),
+        has("torch._TorchCompileWrapper"),
+        has("torch._dynamo.callback.callback_handler"),
         ("torch._dynamo.convert_frame._compile(code, ...)", _compile_code_argument),
-        (
-            "torch.nn.modules.module.register_module_module_registration_hook",
-            has("torch.nn.modules.module.register_module_module_registration_hook"),
-        ),
+        has("torch.nn.modules.module.register_module_module_registration_hook"),
         ("FSDP2's FSDPState.init/_pre_forward/_post_forward", _fsdp2_state),
         ("torch._logging._internal (log registry)", dynamo.torch_logging_internal),
         (
@@ -218,7 +214,7 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
             f"dynamo's suppressed-error message {log_strings.SUPPRESSED_NEEDLE!r}",
             lambda: _source_has("torch._dynamo.exc", log_strings.SUPPRESSED_NEEDLE),
         ),
-        ("torch._C._dynamo.eval_frame.set_code_exec_strategy", _code_exec_strategy),
+        ("torch._C._dynamo.eval_frame.set_code_exec_strategy", lambda: list(map(find, dynamo.EXEC_STRATEGY))),
     )
 
 
@@ -227,22 +223,10 @@ def _convert_frame_argument() -> bool:
     return code is not None and "frame" in code.co_varnames[: code.co_argcount]
 
 
-def _code_exec_strategy() -> bool:
-    from torch._C._dynamo.eval_frame import set_code_exec_strategy  # noqa: F401
-    from torch._dynamo.types import FrameAction, FrameExecStrategy  # noqa: F401
-
-    return True
-
-
-def _self_check_once() -> list[str]:
+@functools.cache
+def _self_check_once() -> tuple[str, ...]:
     # The installed torch does not change within a process; the check imports dynamo.
-    global _self_check_result
-    if _self_check_result is None:
-        _self_check_result = self_check()
-    return list(_self_check_result)
-
-
-_self_check_result: list[str] | None = None
+    return tuple(self_check())
 
 
 def self_check() -> list[str]:

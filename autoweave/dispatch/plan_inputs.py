@@ -284,7 +284,7 @@ def untraceable(
     for module in modules:
         if not isinstance(module, wrapper_cls):
             continue
-        context_fn = checkpoint_calls.context_fn_of(module)
+        context_fn = checkpoint_calls.context_fn_of(getattr(module, "checkpoint_fn", None))
         if context_fn is None:
             continue
         why = probe(context_fn)

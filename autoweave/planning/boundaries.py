@@ -1,22 +1,22 @@
-"""What counts as a boundary: a module whose call cannot be traced into the enclosing graph.
+"""What counts as a boundary, and the tree-change signal that tells a plan to look again.
 
-A boundary's hooks stay eager; what happens to its inner forward is the
-planner's business. ``classify`` returns a short human reason, or ``None``.
+A boundary is a module whose call cannot be traced into the enclosing graph. Its
+hooks stay eager; what happens to its inner forward is the planner's business.
+``classify`` returns a short human reason, or ``None``.
 
-One number that changes whenever a compiled module's plan might: the tree-change signal.
-
-A plan depends on the module tree under the compile target (which children,
-which of them are FSDP units, what the user marked) and on what the run
-learned. Re-reading the tree at every forward costs time proportional to the
+The tree-change signal is one number that changes whenever a compiled module's
+plan might. A plan depends on the module tree under the compile target (which
+children, which of them are FSDP units, what the user marked) and on what the
+run learned. Re-reading the tree at every forward costs time proportional to the
 number of submodules; instead each dispatcher remembers the generation it
 planned at and re-reads the tree only after the generation moved.
 
-This module only keeps the counter (on ``_state.run``). What moves it:
+The counter lives on ``_state.run`` (``bump``, ``watch``). What moves it:
 ``dispatch/tree_watch`` (a submodule registered into a watched module, a hook
-registered on one or removed, ``fully_shard`` running), autoweave's own marks (``boundary``, ``set_mode``,
-``register_boundary``) and what a run learns (``planning/learned``). A spurious
-bump costs one tree walk per compiled module; a missed one would keep a stale
-plan, so every source bumps.
+registered on one or removed, ``fully_shard`` running), autoweave's own marks
+(``boundary``, ``set_mode``, ``register_boundary``) and what a run learns
+(``planning/learned``). A spurious bump costs one tree walk per compiled module;
+a missed one would keep a stale plan, so every source bumps.
 """
 
 from __future__ import annotations
@@ -58,12 +58,6 @@ def register_boundary(predicate: Predicate, *, name: str | None = None) -> Predi
         _predicates.append((name or getattr(predicate, "__qualname__", repr(predicate)), predicate))
     bump()
     return predicate
-
-
-def unregister_boundary(predicate: Predicate) -> None:
-    with _lock:
-        _predicates[:] = [(n, p) for n, p in _predicates if p is not predicate]
-    bump()
 
 
 def _hooks_disabled(module: nn.Module) -> bool:

@@ -1,49 +1,51 @@
-"""Where a module checkpoints, read before it runs: its forward's code, its ``__call__``.
+"""Where a module checkpoints, and whether a checkpoint dynamo traces can take its ``context_fn``.
 
-A checkpoint written in code is invisible in the module tree. Reading names
-(``"checkpoint" in co_names``) misses ``from torch.utils.checkpoint import
-checkpoint as ckpt``, ``self._ckpt = partial(checkpoint, ...)`` and helper
-methods, and falsely matches ``self.checkpoint`` flags. So the code is read
-for what its names *are*: each load of a global, a closure variable or an
-attribute of ``self`` is resolved against the live objects (the function's
-globals, its closure, the module instance), and a call target that resolves
-to torch's ``checkpoint`` (or a ``functools.partial`` of it) counts. User
-functions and methods it calls are read too, a few levels deep.
+Both are read before the module runs. Where it checkpoints: its forward's code,
+its ``__call__``. A checkpoint written in code is invisible in the module tree.
+Reading names (``"checkpoint" in co_names``) misses ``from
+torch.utils.checkpoint import checkpoint as ckpt``, ``self._ckpt =
+partial(checkpoint, ...)`` and helper methods, and falsely matches
+``self.checkpoint`` flags. So the code is read for what its names *are*: each
+load of a global, a closure variable or an attribute of ``self`` is resolved
+against the live objects (the function's globals, its closure, the module
+instance), and a call target that resolves to torch's ``checkpoint`` (or a
+``functools.partial`` of it) counts. User functions and methods it calls are
+read too, a few levels deep.
 
 Best effort by design: what it misses, dynamo's fallback message at the first
-call still catches (see ``runtime``).
+call still catches (the dispatcher re-plans from the next call).
 
-Can a checkpoint that dynamo traces take a wrapper's ``context_fn``?
+Whether a traced checkpoint can take a wrapper's ``context_fn``: ``pieces`` puts
+the user's checkpoint inside compiled graphs, where torch's checkpoint demands
+that ``context_fn`` return two ``TorchDispatchMode`` objects ("In torch.compile
+mode, `context_fn` ... must generate a tuple of two `TorchDispatchMode`s",
+torch/utils/checkpoint.py). ``create_selective_checkpoint_contexts`` does. A
+``context_fn`` that wraps those modes in ordinary context managers does not:
+NeMo Automodel's ``apply_ac`` composes its per-op policy with an
+attention-backend snapshot and, for MoE blocks, a ``@contextmanager`` that swaps
+the gate's expert-load buffer around the recompute. Every piece of such a block
+would raise inside the trace and run eager (21 of 28 forward GEMMs on NeMo's
+DeepSeek-V3, as many as plain torch); eager AC around the compiled block
+(``hoist``) calls that ``context_fn`` exactly as the user's wrapper does, and
+compiles everything but the breaks.
 
-``pieces`` puts the user's checkpoint inside compiled graphs,
-where torch's checkpoint demands that ``context_fn`` return two
-``TorchDispatchMode`` objects ("In torch.compile mode, `context_fn` ... must
-generate a tuple of two `TorchDispatchMode`s", torch/utils/checkpoint.py).
-``create_selective_checkpoint_contexts`` does. A ``context_fn`` that wraps
-those modes in ordinary context managers does not: NeMo Automodel's
-``apply_ac`` composes its per-op policy with an attention-backend snapshot and,
-for MoE blocks, a ``@contextmanager`` that swaps the gate's expert-load buffer
-around the recompute. Every piece of such a block would raise inside the trace
-and run eager (21 of 28 forward GEMMs on NeMo's DeepSeek-V3, as many as plain
-torch); eager AC around the compiled block (``hoist``) calls that ``context_fn``
-exactly as the user's wrapper does, and compiles everything but the breaks.
-
-Told, not guessed: a ``functools.partial`` of torch's own factory is known to
-be traceable (``known_traceable``); any other ``context_fn`` is called once by
-``dispatch/context_probe``, outside any trace, and what it returned is judged
-here (``why_not_traceable``, which looks at the value and never enters it).
+Told, not guessed: a ``functools.partial`` of torch's own factory is known to be
+traceable (``known_traceable``); any other ``context_fn`` is called once by
+``dispatch/plan_inputs`` (``probe``), outside any trace, and what it returned is
+judged here (``why_not_traceable``, which looks at the value and never enters
+it).
 """
 
 from __future__ import annotations
 
 import dis
 import functools
-import os
 import sys
 import types
 from typing import Any
 
 from autoweave import _compat
+from autoweave.planning import sources
 
 _CHECKPOINT_FUNCTIONS = frozenset({"checkpoint", "checkpoint_sequential"})
 _LOADS_FROM = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FAST", "LOAD_FAST_CHECK"}
@@ -67,17 +69,6 @@ def is_checkpoint(obj: Any) -> bool:
             return False
         obj = wrapped
     return False
-
-
-def _torch_dir() -> str:
-    import torch
-
-    return os.path.dirname(os.path.abspath(torch.__file__))
-
-
-def _is_user_function(fn: Any) -> bool:
-    code = getattr(fn, "__code__", None)
-    return isinstance(code, types.CodeType) and not os.path.abspath(code.co_filename).startswith(_torch_dir())
 
 
 def _instance_attribute(owner: Any, name: str) -> Any:
@@ -220,7 +211,7 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
             return True
         if depth > 0 and callable(current):
             target = current.__func__ if isinstance(current, types.MethodType) else current
-            if _is_user_function(target):
+            if sources.user_function(target):
                 callees.append((current, owner if isinstance(current, types.MethodType) else None))
     for const in code.co_consts:
         if isinstance(const, types.CodeType) and id(const) not in seen:
@@ -239,7 +230,7 @@ def call_checkpoints(module: Any) -> bool:
     call = next(
         (cls.__dict__["__call__"] for cls in type(module).__mro__ if "__call__" in cls.__dict__), None
     )
-    if call is None or call is nn.Module.__call__ or not _is_user_function(call):
+    if call is None or call is nn.Module.__call__ or not sources.user_function(call):
         return False
     return code_checkpoints(call, module)
 
@@ -248,10 +239,9 @@ def call_checkpoints(module: Any) -> bool:
 TRACING_STRATEGIES = ("auto", "pieces")
 
 
-def context_fn_of(module: Any) -> Any:
-    """The ``context_fn`` a CheckpointWrapper passes to torch's checkpoint (None: none, or full AC)."""
-    fn = getattr(module, "checkpoint_fn", None)
-    keywords = getattr(fn, "keywords", None) or {}
+def context_fn_of(checkpoint_fn: Any) -> Any:
+    """The ``context_fn`` a wrapper's ``checkpoint_fn`` hands torch's checkpoint (None: none, or full AC)."""
+    keywords = getattr(checkpoint_fn, "keywords", None) or {}
     context_fn = keywords.get("context_fn")
     if context_fn is None or getattr(context_fn, "__name__", "") == "noop_context_fn":
         return None

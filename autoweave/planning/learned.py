@@ -3,38 +3,37 @@
 Three things a compile cannot read from the module tree are learned while the
 run goes, each from one block, and kept for every block like it:
 
-- breaks (``learned_breaks``): where dynamo broke a checkpointed region, from
-  its fallback at a first call. Kept by forward code: identical blocks share
+- breaks: where dynamo broke a checkpointed region, from its fallback at a
+  first call (``locate``). Kept by forward code: identical blocks share
   dynamo's cache for the checkpoint wrapper's code, so only the first block to
   compile logs the fallback; the others silently run the cached eager one.
-- memory verdicts (``memory``): what a block woven as pieces held at its first
+- memory verdicts (``Verdict``): what a block woven as pieces held at its first
   call against eager selective AC. Kept by kind of block (``kind``).
-- context verdicts (``traced_contexts``): whether a checkpoint traced inside a
-  compiled graph can take a ``context_fn``. Kept per ``context_fn`` object.
+- context verdicts: whether a checkpoint traced inside a compiled graph can
+  take a ``context_fn`` (``checkpoint_calls.why_not_traceable``). Kept per
+  ``context_fn`` object.
 
 The tables live on ``_state.run`` (``_state.reset()`` forgets them) and are
 written and read only here. ``Learned.for_target`` turns them into one frozen
 value for a compile target; ``planner.plan`` reads nothing else of the run.
 
-Where dynamo broke a checkpointed region: its user stack, mapped to the modules that hold it.
-
-When dynamo cannot trace a checkpoint as one graph it logs (INFO) that it
-falls back to eager, then logs the ``Unsupported`` error itself, with the user's
-frames from the compiled frame down to the break (read by
+Breaks: where dynamo broke a checkpointed region, its user stack mapped to the
+modules that hold it. When dynamo cannot trace a checkpoint as one graph it logs
+(INFO) that it falls back to eager, then logs the ``Unsupported`` error itself,
+with the user's frames from the compiled frame down to the break (read by
 ``observe.counting.FallbackCounter`` as ``FallbackBreak``s). The innermost frame
-that runs a module's forward names the module that breaks (``locate``): the planner
-then treats it as a boundary and compiles around it. What one block taught is kept
-by forward code (``planning/learned``).
+that runs a module's forward names the module that breaks (``locate``): the
+planner then treats it as a boundary and compiles around it.
 
-The activation memory a block woven as ``pieces`` holds, measured against eager selective AC's.
-
-``pieces`` keeps for backward every tensor that crosses a break and is needed
-there (the experts' input and output, the routing weights): whole-block eager
-selective AC would recompute them from the block's input. With a policy that
-saves the GEMM outputs that costs nothing (eager SAC keeps those too); with
-one that saves little it can cost several times eager SAC's memory. Which it
-is depends on the model, the break and the policy, so it is measured, once
-per kind of block, at the first call that builds a graph for backward:
+Memory verdicts: the activation memory a block woven as ``pieces`` holds,
+measured against eager selective AC's. ``pieces`` keeps for backward every
+tensor that crosses a break and is needed there (the experts' input and output,
+the routing weights): whole-block eager selective AC would recompute them from
+the block's input. With a policy that saves the GEMM outputs that costs nothing
+(eager SAC keeps those too); with one that saves little it can cost several
+times eager SAC's memory. Which it is depends on the model, the break and the
+policy, so it is measured, once per kind of block, at the first call that builds
+a graph for backward:
 
 - what pieces hold: the bytes autograd saves during the block's forward. Every
   piece is a compiled graph that checkpoints inside itself, so each tensor it
@@ -54,9 +53,9 @@ kernels, so it recomputes what full AC does) is in README "Limits" and
 force around that first call (activation offloading, an eager checkpoint
 around the model), nothing is measured: ours would shadow theirs.
 
-This module is the judgement only (``Verdict``, the ``TOLERANCE`` rule, which
-blocks are of one ``kind``); the measure runs in ``weave/first_call_memory``
-and what it found is kept by ``planning/learned``.
+Here is the judgement (``Verdict``, the ``TOLERANCE`` rule, which blocks are of
+one ``kind``) and the verdicts kept; the measure runs in
+``weave/first_call_memory``.
 """
 
 from __future__ import annotations
@@ -92,7 +91,7 @@ class Learned:
     AC would, with why (``auto`` plans them with hoist). ``untraceable``:
     checkpoints, by ``id`` of their ``checkpoint_fn``, whose ``context_fn`` a
     traced checkpoint cannot take, with why; it may be a lazy mapping that
-    probes at its first lookup (``dispatch/context_probe``), so a plan that
+    probes at its first lookup (``dispatch/plan_inputs``), so a plan that
     looks nothing up calls no ``context_fn``.
     """
 
@@ -193,7 +192,7 @@ def context_verdict(context_fn: Any) -> Any:
 
 
 def learn_context(context_fn: Any, verdict: str | None) -> None:
-    """Remember what ``context_fn`` was judged (``traced_contexts.why_not_traceable``)."""
+    """Remember what ``context_fn`` was judged (``checkpoint_calls.why_not_traceable``)."""
     run.context_verdicts[id(context_fn)] = (context_fn, verdict)
 
 
@@ -204,11 +203,6 @@ def _span(code: Any) -> tuple[str, int, int] | None:
     return os.path.abspath(code.co_filename), min(lines), max(lines)
 
 
-def _forward_span(module: nn.Module) -> tuple[str, int, int] | None:
-    code = forward_code(module)
-    return _span(code) if code is not None else None
-
-
 def locate(target: nn.Module, breaks: list[Break]) -> dict[int, str]:
     """Modules of ``target`` (by id) whose own forward holds a break, with a reason naming file:line.
 
@@ -216,13 +210,10 @@ def locate(target: nn.Module, breaks: list[Break]) -> dict[int, str]:
     inside a module's forward wins. Several instances of one class all match
     (they run the same code).
     """
-    import torch
-
-    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     spans: list[tuple[tuple[str, int, int], nn.Module]] = []
     for _, module in target.named_modules():
-        span = _forward_span(module)
-        if span is not None and not span[0].startswith(torch_dir):  # wrappers' forwards are torch's
+        span = _span(forward_code(module))
+        if span is not None and not sources.torch_file(span[0]):  # wrappers' forwards are torch's
             spans.append((span, module))
     found: dict[int, str] = {}
     for brk in breaks:

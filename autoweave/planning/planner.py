@@ -1,6 +1,7 @@
 """Pure planning: a module tree in, a plan (what to compile, what to leave, why) out.
 
-Nothing here compiles or changes a module; ``weave.apply_plan`` does that.
+Reads only: nothing here compiles, changes a module or calls the user's code;
+``weave.apply_plan`` carries the plan out.
 
 Vocabulary. A *region* is a module whose forward is compiled on its own. A
 *boundary* is a module whose call dynamo cannot trace (an FSDP unit, say): it
@@ -8,14 +9,10 @@ splits any region that contains it. A boundary inside a checkpointed region
 that dynamo traces makes dynamo give up on the whole checkpointed region (it
 runs eager, forward and recompute), which is the loss autoweave exists to avoid.
 
-The plan's data types live in ``plans``, the reading of the tree in ``tree``, and
-where each AC wrapper's checkpoint goes in ``strategies``; this module walks the
-tree and lays the decisions out.
-
-Reading a module tree for one planning pass: AC wrappers, compiled wrappers, checkpoints in
-code, and where the boundaries sit.
-
-Reads only: nothing here changes a module or calls the user's code.
+The plan's data types, and where each AC wrapper's checkpoint goes, live in
+``plans``. Here the tree is read for one planning pass (``Tree`` and the
+readers beside it: AC wrappers, compiled wrappers, checkpoints in code, where
+the boundaries sit), then walked (``_Planner``) to lay the decisions out.
 """
 
 from __future__ import annotations
@@ -67,15 +64,13 @@ class _Planner:
         if kind is not None:
             self.boundary(path, module, kind, moved)
             return
-        spec = checkpoint_spec(module)
-        if spec is not None and self.tree.has_boundary_below(module):
+        if (spec := self.tree.ac_over_boundary(module)) is not None:
             self.checkpointed(path, module, spec, moved, opaque=False)
             return
         if is_container(module):
             # ModuleList / ModuleDict have no forward: their parent calls the children.
             self.add(path, module, Action.EAGER, "container without a forward: children planned")
-            for child_path, child in walk(module, path):
-                self.node(child_path, child, moved)
+            self.children(path, module, moved)
             return
         if not self.tree.has_boundary_below(module):
             self.region(path, module, moved, Action.COMPILE, "no boundary inside: compiled whole")
@@ -101,6 +96,9 @@ class _Planner:
         self, path: str, module: nn.Module, moved: CheckpointSpec | None, reason: str, **extra: Any
     ) -> None:
         self.add(path, module, Action.WEAVE, reason, **extra)
+        self.children(path, module, moved)
+
+    def children(self, path: str, module: nn.Module, moved: CheckpointSpec | None) -> None:
         for child_path, child in walk(module, path):
             self.node(child_path, child, moved)
 
@@ -138,8 +136,7 @@ class _Planner:
             # piece carries the checkpoint (the children are traced inside).
             self.split(path, module, moved, f"{kind} → compiled, split there", action=Action.BOUNDARY)
             return
-        spec = checkpoint_spec(module)
-        if spec is not None and self.tree.has_boundary_below(module):
+        if (spec := self.tree.ac_over_boundary(module)) is not None:
             # An AC wrapper that is itself an FSDP unit (AC, then fully_shard per
             # block): its hooks stay eager anyway; its checkpoint is planned as any.
             self.checkpointed(path, module, spec, moved, opaque=opaque, unit=kind)
@@ -174,8 +171,7 @@ class _Planner:
             return
         why = f"; its forward calls checkpoint: {_ONE_BY_ONE}" if hidden else ", inner planned below"
         self.add(path, module, Action.BOUNDARY, f"{kind} → hooks stay eager{why}", opaque=opaque and hidden)
-        for child_path, child in walk(module, path):
-            self.node(child_path, child, moved)
+        self.children(path, module, moved)
 
     def checkpointed(
         self,
@@ -250,8 +246,7 @@ class _Planner:
             if kind is not None:
                 self.boundary(child_path, child, kind, moved, opaque=True)
                 continue
-            spec = checkpoint_spec(child)
-            if spec is not None and self.tree.has_boundary_below(child):
+            if (spec := self.tree.ac_over_boundary(child)) is not None:
                 self.checkpointed(child_path, child, spec, moved, opaque=True)
             elif self.tree.has_boundary_below(child) and _checkpoints_itself(child):
                 self.weave_children(
@@ -305,38 +300,6 @@ def plan(
     ``children_one_by_one`` is the dispatcher's last resort after a fallback it
     could not locate: nothing splits, every AC stays eager around its children.
     """
-    found_plan = _plan(
-        module,
-        mode=mode,
-        strategy=strategy,
-        fullgraph=fullgraph,
-        classify=classify,
-        outer_ac=outer_ac,
-        call_traced=call_traced,
-        learned=learned,
-        children_one_by_one=children_one_by_one,
-    )
-    target = unwrap(module)
-    places = tuple(
-        (path, source)
-        for path, _ in found_plan.boundaries
-        if (source := sources.boundary_source(target, path))
-    )
-    return dataclasses.replace(found_plan, sources=places)
-
-
-def _plan(
-    module: nn.Module,
-    *,
-    mode: str,
-    strategy: str,
-    fullgraph: bool,
-    classify: Classifier | None,
-    outer_ac: CheckpointSpec | None,
-    call_traced: bool,
-    learned: Learned | None,
-    children_one_by_one: bool,
-) -> Plan:
     check_choice("mode", mode, MODES)
     check_choice("strategy", strategy, STRATEGIES)
     tree = Tree(classify or boundaries.classify, learned or Learned())
@@ -347,10 +310,13 @@ def _plan(
         if m is not target and tree.kind(m) is not None
     )
     root_type = type(target).__name__
+    places = tuple((path, source) for path, _ in found if (source := sources.boundary_source(target, path)))
 
     def plain(reason: str) -> Plan:
         decision = Decision("", root_type, Action.PLAIN, reason)
-        return Plan(root_type, False, mode, strategy, fullgraph, (decision,), found, asked=strategy)
+        return Plan(
+            root_type, False, mode, strategy, fullgraph, (decision,), found, sources=places, asked=strategy
+        )
 
     if not found:
         return plain("no boundary inside: compiled as plain torch.compile would")
@@ -373,7 +339,7 @@ def _plan(
         if outer.why:
             root = planner.out[0]
             planner.out[0] = dataclasses.replace(root, reason=f"{root.reason} ({outer.why})")
-        return planner.plan(root_type, mode, found, outer_push_down=outer_ac)
+        return planner.plan(root_type, mode, found, sources=places, outer_push_down=outer_ac)
     own_spec = checkpoint_spec(target)
     # A layer that checkpoints in its own __call__ (HF's GradientCheckpointingLayer):
     # torch.compile(layer) traces that checkpoint; the dispatcher runs __call__ eagerly.
@@ -396,7 +362,7 @@ def _plan(
             "per kind of block, split at the boundaries inside (plain torch.compile would share one dynamo "
             "cache among every layer of its class, where a recompute can run another layer's graphs)",
         )
-        return planner.plan(root_type, mode, found)
+        return planner.plan(root_type, mode, found, sources=places)
     if mode == "auto" and not traced_ac and not fullgraph:
         return plain(
             "boundaries inside but no checkpoint around them: plain torch.compile "
@@ -411,7 +377,7 @@ def _plan(
             "its __call__ checkpoints: that AC stays eager around a compile of its forward",
         )
     planner.node("", target, None, root=True)
-    return planner.plan(root_type, mode, found)
+    return planner.plan(root_type, mode, found, sources=places)
 
 
 Classifier = Callable[[nn.Module], "str | None"]
@@ -427,8 +393,7 @@ def checkpoint_spec(module: nn.Module) -> CheckpointSpec | None:
         return None
     fn = getattr(module, "checkpoint_fn", None)
     keywords = dict(getattr(fn, "keywords", {}) or {})
-    context_fn = keywords.get("context_fn")
-    selective = context_fn is not None and getattr(context_fn, "__name__", "") != "noop_context_fn"
+    selective = checkpoint_calls.context_fn_of(fn) is not None
     impl = getattr(module, "checkpoint_impl", None)
     reentrant = getattr(impl, "name", "") == "REENTRANT" or bool(keywords.get("use_reentrant"))
     options = tuple(sorted((k, _short(v)) for k, v in keywords.items()))
@@ -458,7 +423,7 @@ def unwrap(module: nn.Module) -> nn.Module:
 def calls_checkpoint(module: nn.Module) -> bool:
     """Does this module's own forward call torch's ``checkpoint`` (read from its code)?
 
-    A heuristic (see ``checkpoints``): when it misses one, the runtime still
+    A heuristic (see ``checkpoint_calls``): when it misses one, the runtime still
     notices dynamo's fallback at the first call and re-plans from the next call.
     """
     forward = boundaries.user_forward(module)
@@ -520,6 +485,10 @@ class Tree:
                 self.kind(child) is not None or self.has_boundary_below(child) for child in module.children()
             )
         return self._has[key]
+
+    def ac_over_boundary(self, m: nn.Module) -> CheckpointSpec | None:
+        """The AC of a CheckpointWrapper with a boundary below it, or None."""
+        return spec if (spec := checkpoint_spec(m)) is not None and self.has_boundary_below(m) else None
 
     def traced_ac_over_boundary(self, module: nn.Module) -> bool:
         """Would a compile of ``module`` trace a checkpoint that has a boundary inside?"""

@@ -1,18 +1,18 @@
-"""What a plan says: the actions, the AC a wrapper applies, one decision per module, the plan.
+"""What a plan says, and where a woven block's activation checkpointing (AC) goes.
 
-Data only: ``planner`` builds these, ``weave.apply_plan`` carries them out, and
+The data: the actions, the AC a wrapper applies, one decision per module, the
+plan. ``planner`` builds these, ``weave.apply_plan`` carries them out, and
 ``observe`` shows them.
 
-Where a woven block's activation checkpointing (AC) goes: the strategies, and the one resolver.
-
-A user asks for ``auto``, ``hoist`` or ``pieces`` (``AUTOWEAVE_STRATEGY``,
-``set_mode(block, strategy=...)``). What runs is decided once per AC wrapper, by
-``resolve`` (a wrapper inside the compile) or ``resolve_outer`` (a wrapper around
-an in-place compile): pure functions of the wrapper's ``CheckpointSpec``, where it
-sits, what was asked and what the run learned, each returning the strategy with
-the reason a plan shows. The planner's walk then lays out the strategy's
-decisions; ``weave.apply`` carries out each action; ``observe.summary`` shows each
-action by the ``verb`` here.
+The strategies, and the one resolver. A user asks for ``auto``, ``hoist`` or
+``pieces`` (``AUTOWEAVE_STRATEGY``, ``set_mode(block, strategy=...)``). What
+runs is decided once per AC wrapper, by ``resolve`` (a wrapper inside the
+compile) or ``resolve_outer`` (a wrapper around an in-place compile): pure
+functions of the wrapper's ``CheckpointSpec``, where it sits, what was asked and
+what the run learned, each returning the strategy with the reason a plan shows.
+The planner's walk then lays out the strategy's decisions; ``weave.apply``
+carries out each action; ``observe.summary`` shows each action by the ``verb``
+here.
 
 - ``hoist``: the wrapper stays eager around a compile of its inner block that
   dynamo splits at the breaks; everything but the breaks compiles, the recompute too.
@@ -42,7 +42,7 @@ class Action(str, enum.Enum):
     HOIST = "hoist"  # AC wrapper stays eager around a compile of its inner module (which may split)
     PIECES = "pieces"  # AC wrapper stops checkpointing; each compiled piece below (between breaks) checkpoints itself
     # AC wrapper stays eager around its inner module's children, compiled one by one: not a
-    # strategy a user picks, the planner's answer where the AC cannot move (see ``strategies``).
+    # strategy a user picks, the planner's answer where the AC cannot move (see ``resolve``).
     CHILDREN_ONE_BY_ONE = "children-one-by-one"
     EAGER = "eager"  # left alone
 
@@ -189,8 +189,8 @@ def resolve(
     ``nested``: it sits inside an AC already moved into compiled pieces.
     ``children_one_by_one``: the dispatcher's last resort (not a user's choice).
     ``measured``: its pieces were measured holding more than eager selective AC
-    would, and why (``memory``). ``untraceable``: why its ``context_fn`` cannot run
-    inside a compiled graph (``traced_contexts``), or None; called only where the
+    would, and why (``learned.Verdict``). ``untraceable``: why its ``context_fn`` cannot run
+    inside a compiled graph (``checkpoint_calls``), or None; called only where the
     answer matters, since the first call probes the user's ``context_fn``s.
     """
     if children_one_by_one:

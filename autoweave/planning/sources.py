@@ -10,6 +10,7 @@ from __future__ import annotations
 import dis
 import functools
 import os
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +38,28 @@ class Source:
 
 
 @functools.cache
-def _library_dirs() -> tuple[str, ...]:
-    # Frames in torch or autoweave are not where the user wrote anything.
+def _torch_dir() -> str:
     import torch
 
+    return os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def torch_file(filename: str) -> bool:
+    """Is ``filename`` under torch's install directory (a bare prefix: ``torchvision/`` counts too)?"""
+    return os.path.abspath(filename).startswith(_torch_dir())
+
+
+def user_function(fn: Any) -> bool:
+    """Does ``fn`` have code of its own outside torch's files (a copy keeps its file name)?"""
+    code = getattr(fn, "__code__", None)
+    return isinstance(code, types.CodeType) and not torch_file(code.co_filename)
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    # Frames in torch or autoweave are not where the user wrote anything.
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the autoweave package, not plan/
-    return tuple(d + os.sep for d in (os.path.dirname(os.path.abspath(torch.__file__)), package))
+    return (_torch_dir() + os.sep, package + os.sep)
 
 
 def is_user_file(filename: str) -> bool:
@@ -54,7 +71,7 @@ def break_frames(found: Break) -> list[Frame]:
 
     The one reading of a break's place: the report names the first of these
     (``observe.graph_breaks``), the planner the first that lies in a module's
-    forward (``learned_breaks.locate``). A break logged without a stack in user
+    forward (``learned.locate``). A break logged without a stack in user
     code (dynamo logs a repeated one so) falls back to dynamo's own
     "in user code at" line, when that is the user's.
     """

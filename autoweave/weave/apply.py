@@ -21,7 +21,7 @@ from autoweave._failopen import warn_each
 from autoweave._instances import install_forward, restore_forward
 from autoweave._log import logger
 from autoweave._state import run
-from autoweave.planning import learned, wrappers
+from autoweave.planning import learned, sources, wrappers
 from autoweave.planning.boundaries import own_forward, user_forward
 from autoweave.planning.learned import verdict_of
 from autoweave.planning.plans import Action, Plan
@@ -250,19 +250,6 @@ def _without_checkpoint(wrapper: nn.Module) -> Callable[..., Any]:
     return forward
 
 
-def _user_code(forward: Any) -> bool:
-    # torch's own modules keep the trampoline: dynamo skips frames whose code
-    # lives in torch's files, and a copy keeps its file name.
-    import os
-
-    import torch
-
-    code = getattr(forward, "__code__", None)
-    return code is not None and not os.path.abspath(code.co_filename).startswith(
-        os.path.dirname(os.path.abspath(torch.__file__))
-    )
-
-
 def _region_forward(
     module: nn.Module,
     decision: Any,
@@ -333,7 +320,9 @@ def _build_kind_region(
     )
     forward = cls.forward
     converted = None
-    if decision.splits and checkpoint_fn is None and _user_code(forward):
+    # torch's own modules keep the trampoline: dynamo skips frames whose code
+    # lives in torch's files, and a copy keeps its file name.
+    if decision.splits and checkpoint_fn is None and sources.user_function(forward):
         region = on_own_code(forward, label, through_wrappers=True)
         converted = _run_wrappers_eagerly(region)
     else:

@@ -72,6 +72,7 @@ from autoweave import _compat, _events
 from autoweave._failopen import RAN_EAGER, first_line, runs_eager, swallowed
 from autoweave._log import logger
 from autoweave._state import run
+from autoweave.planning import checkpoint_calls
 
 # The keyword options of torch.utils.checkpoint that the operator takes as they are.
 _OPTIONS = ("preserve_rng_state", "determinism_check", "debug")
@@ -254,10 +255,9 @@ class CheckpointPieces:
     """
 
     def __init__(self, checkpoint_fn: Any, label: str) -> None:
-        keywords = dict(getattr(checkpoint_fn, "keywords", {}) or {})
-        self.context_fn = keywords.pop("context_fn", None)
-        if getattr(self.context_fn, "__name__", "") == "noop_context_fn":
-            self.context_fn = None  # full AC: the operator's own always-recompute policy
+        # None for full AC: the operator's own always-recompute policy.
+        self.context_fn = checkpoint_calls.context_fn_of(checkpoint_fn)
+        keywords = getattr(checkpoint_fn, "keywords", {}) or {}
         self.options = {k: v for k, v in keywords.items() if k in _OPTIONS}
         self.label = label  # the region's label: notes about its pieces are kept under it
         # Per checkpointed graph, the bytes its policy saved in its latest trace
