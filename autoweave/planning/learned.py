@@ -87,8 +87,9 @@ class Learned:
     """What the run learned about the modules under one compile target, keyed by ``id``.
 
     ``breaks``: modules dynamo was seen breaking in, with why (boundaries of the
-    plan). ``measured``: AC wrappers whose pieces held more than eager selective
-    AC would, with why (``auto`` plans them with hoist). ``untraceable``:
+    plan). ``measured``: AC wrappers whose pieces were measured, with why they
+    held more than eager selective AC would (``auto`` plans them with hoist), or ""
+    when they did not. ``untraceable``:
     checkpoints, by ``id`` of their ``checkpoint_fn``, whose ``context_fn`` a
     traced checkpoint cannot take, with why; it may be a lazy mapping that
     probes at its first lookup (``dispatch/plan_inputs``), so a plan that
@@ -174,9 +175,12 @@ def hoist_reason(module: Any) -> str | None:
 
 
 def _measured_under(target: Any) -> dict[int, str]:
+    # Every block measured, heavier or not ("": the pieces held no more than eager SAC), so
+    # the planner knows which blocks still have their first call measured.
     if not run.learned_memory:
         return {}
-    return {id(m): why for m in target.modules() if (why := hoist_reason(m)) is not None}
+    verdicts = ((m, verdict_of(m)) for m in target.modules())
+    return {id(m): (v.describe() if v.hoist else "") for m, v in verdicts if v is not None}
 
 
 # -- context verdicts ----------------------------------------------------------------------

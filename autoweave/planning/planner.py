@@ -75,22 +75,23 @@ class _Planner:
         if not self.tree.has_boundary_below(module):
             self.region(path, module, moved, Action.COMPILE, "no boundary inside: compiled whole")
             return
-        hidden = calls_checkpoint(module)
+        shape = self.shape(module)
+        if not self.children_one_by_one and shape is None:
+            self.split(path, module, moved, "compiled; dynamo splits it at the boundaries inside")
+            return
+        why = f"{shape}: " if shape else ""
+        self.weave_children(path, module, moved, f"boundary inside; own forward eager, {why}{_ONE_BY_ONE}")
+
+    def shape(self, module: nn.Module) -> str | None:
+        """Why ``module`` (a boundary below it) cannot be one region that dynamo splits, or None."""
+        if calls_checkpoint(module):
+            return "its forward calls checkpoint"
         # Boundaries inside a ModuleList/ModuleDict child are called from a loop in
         # this forward, and dynamo cannot resume a frame inside a loop after a break:
         # it would run this whole forward eager (the blocks' neighbours too).
-        looped = any(is_container(c) and self.tree.has_boundary_below(c) for c in module.children())
-        if not self.children_one_by_one and not hidden and not looped:
-            self.split(path, module, moved, "compiled; dynamo splits it at the boundaries inside")
-            return
-        why = (
-            "its forward calls checkpoint: "
-            if hidden
-            else "its forward loops over blocks holding boundaries: "
-            if looped
-            else ""
-        )
-        self.weave_children(path, module, moved, f"boundary inside; own forward eager, {why}{_ONE_BY_ONE}")
+        if any(is_container(c) and self.tree.has_boundary_below(c) for c in module.children()):
+            return "its forward loops over blocks holding boundaries"
+        return None
 
     def weave_children(
         self, path: str, module: nn.Module, moved: CheckpointSpec | None, reason: str, **extra: Any
@@ -195,12 +196,21 @@ class _Planner:
             asked=self.asked,
             nested=moved is not None,
             children_one_by_one=self.children_one_by_one,
+            shape=None if self.tree.kind(inner) is not None else self.shape(inner),
             measured=self.tree.measured.get(id(module)),
             untraceable=lambda: self.tree.untraceable.get(id(spec.checkpoint_fn)),
         )
         strategy = resolved.strategy
         self.resolved.add(strategy.name)
-        self.add(path, module, strategy.action, where + resolved.reason(spec), opaque=opaque, ac=spec)
+        self.add(
+            path,
+            module,
+            strategy.action,
+            where + resolved.reason(spec),
+            opaque=opaque,
+            ac=spec,
+            measure=resolved.measure,
+        )
         if strategy is plans.HOIST:
             broken = self.tree.breaking.get(id(inner))
             self.split(

@@ -78,6 +78,9 @@ class Decision:
     pieces: bool = False
     splits: bool = False  # dynamo may cut this region at the boundaries (or breaks) inside
     ac: CheckpointSpec | None = None  # the AC this wrapper had (HOIST / PIECES / CHILDREN_ONE_BY_ONE)
+    # ``auto`` chose pieces for this AC wrapper's kind before any block of it was measured: its
+    # first call with grad measures what the pieces hold against eager selective AC.
+    measure: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,7 @@ VERBS = {s.action: s.verb for s in (HOIST, PIECES, CHILDREN_ONE_BY_ONE)}
 class Resolved:
     strategy: Strategy
     why: str = ""  # why, when it is not what was asked (nor auto's choice for this kind of AC)
+    measure: bool = False  # pieces chosen by auto, not measured yet: measure the first call
 
     def reason(self, spec: CheckpointSpec) -> str:
         """``selective AC moved into each compiled piece below``, with the why in parentheses."""
@@ -181,15 +185,19 @@ def resolve(
     asked: str,
     nested: bool = False,
     children_one_by_one: bool = False,
+    shape: str | None = None,
     measured: str | None = None,
     untraceable: Callable[[], str | None] = _unknown,
 ) -> Resolved:
-    """The strategy for an AC wrapper inside the compile.
+    """The strategy for an AC wrapper inside the compile: every rule, whatever was asked.
 
     ``nested``: it sits inside an AC already moved into compiled pieces.
     ``children_one_by_one``: the dispatcher's last resort (not a user's choice).
-    ``measured``: its pieces were measured holding more than eager selective AC
-    would, and why (``learned.Verdict``). ``untraceable``: why its ``context_fn`` cannot run
+    ``shape``: why the wrapped block cannot be compiled as one region that dynamo
+    splits (its forward loops over blocks holding boundaries, or calls
+    checkpoint), or None. ``measured``: None when its pieces were never measured;
+    else why they held more than eager selective AC would (``learned.Verdict``), or ""
+    when they did not. ``untraceable``: why its ``context_fn`` cannot run
     inside a compiled graph (``checkpoint_calls``), or None; called only where the
     answer matters, since the first call probes the user's ``context_fn``s.
     """
@@ -201,6 +209,11 @@ def resolve(
         # Moving it into the pieces of the AC around it would checkpoint twice; one
         # compile under it would hold the breaks the AC around it was moved to avoid.
         return Resolved(CHILDREN_ONE_BY_ONE, "nested inside an AC moved into the pieces: kept as written")
+    if shape is not None:
+        # dynamo cannot resume such a forward after a break: compiled whole, it would run
+        # eager; its own forward stays eager, under the AC as written, around compiled
+        # children (under pieces, that glue would run eager and unchecked).
+        return Resolved(CHILDREN_ONE_BY_ONE, shape)
     if asked == "hoist":
         return Resolved(HOIST)
     if not spec.known:
@@ -215,7 +228,7 @@ def resolve(
     why_not_traced = untraceable()
     if why_not_traced is not None:
         return Resolved(HOIST, f"{why_not_traced}: eager AC calls it as the wrapper does")
-    if asked == "auto" and measured is not None:
+    if asked == "auto" and measured:
         return Resolved(
             HOIST,
             f"measured: {measured}; eager AC around the compile holds at most eager SAC's; "
@@ -225,7 +238,7 @@ def resolve(
         return Resolved(CHILDREN_ONE_BY_ONE, "reentrant AC cannot be traced into the pieces")
     # A selective policy must see the ops it was written for (an eager one around
     # compiled code sees inductor's kernels), so the checkpoint goes into the graphs.
-    return Resolved(PIECES)
+    return Resolved(PIECES, measure=asked == "auto" and measured is None)
 
 
 def resolve_outer(

@@ -477,9 +477,10 @@ def apply_plan(
                     region.bind(module, applied.installer(decision.path, decision.opaque))
                     continue
                 forward = region
-            elif decision.action is Action.PIECES and plan.asked == "auto" and verdict_of(module) is None:
+            elif decision.measure and verdict_of(module) is None:
                 # auto chose pieces for this selective AC: whether they hold more than
-                # eager SAC would is measured at the first call (see ``memory``).
+                # eager SAC would is measured at the first call (``first_call_memory``); a
+                # block of a kind measured since this plan was made is not measured again.
                 forward = _measuring_first_call(
                     applied, module, decision, pieces.setdefault(id(decision.ac), []), agree
                 )

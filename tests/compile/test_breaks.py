@@ -383,3 +383,34 @@ def test_a_policy_outside_the_compile_sees_the_ops_it_was_written_for_with_induc
     assert not [op for op, _ in woven if op.endswith(".out")], woven
     saved = {op for op, decision in woven if decision == "MUST_SAVE"}
     assert "aten.addmm.default" in saved and saved <= {op for op, d in eager if d == "MUST_SAVE"}
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hoist", "pieces"])
+def test_selective_ac_around_a_forward_that_loops_over_boundaries_holds_what_plain_torch_holds(strategy):
+    # Issue 33: one rule for the wrapped block's shape, whatever the strategy. dynamo cannot
+    # resume a looping forward after a break, so the AC stays eager around children compiled
+    # one by one. Before: pieces ran the loop's glue eager and unchecked (about 10x plain
+    # torch's saved bytes), hoist compiled the forward whole and ran the head after the loop eager.
+    from tests.models import saved_bytes
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        blocks = [bm.PlainMoE() for _ in range(2)]
+        for block in blocks:
+            bm.fsdp_like(block.experts)
+        return _ac(bm.Stack(blocks), "selective")
+
+    x = torch.randn(64, bm.DIM, requires_grad=True)
+    ref = _train(make(), x)
+    with autoweave.disabled():
+        plain = torch.compile(make(), backend=BACKEND)
+    _train(plain, x, steps=1)
+    model = autoweave.set_mode(make(), strategy=strategy)
+    compiled = torch.compile(model, backend=BACKEND)
+    got = _train(compiled, x)
+    _assert_numerics(got, ref)
+    assert got["fallbacks"] == [0, 0, 0]
+    assert saved_bytes(compiled, x) <= saved_bytes(plain, x)
+    assert _eager_gemms(compiled, x) == 0 < _eager_gemms(plain, x)
+    plan = dispatchers.dispatcher_of(compiled).plan
+    assert plan.decision("").action is Action.CHILDREN_ONE_BY_ONE, plan.decision("").reason

@@ -402,6 +402,7 @@ _FULL = planner.CheckpointSpec(selective=False, reentrant=False, options=())
 _SELECTIVE = planner.CheckpointSpec(selective=True, reentrant=False, options=())
 _CUSTOM = planner.CheckpointSpec(selective=False, reentrant=False, options=(), known=False)
 _REENTRANT_SAC = planner.CheckpointSpec(selective=True, reentrant=True, options=())
+_LOOPS = "its forward loops over blocks holding boundaries"
 
 
 @pytest.mark.parametrize(
@@ -420,6 +421,16 @@ _REENTRANT_SAC = planner.CheckpointSpec(selective=True, reentrant=True, options=
         (_REENTRANT_SAC, "hoist", {}, "hoist", ""),
         (_FULL, "hoist", {"nested": True}, "children-one-by-one", "nested"),
         (_SELECTIVE, "pieces", {"children_one_by_one": True}, "children-one-by-one", "re-planned"),
+        # A block that cannot be one split region: the same rule under every strategy.
+        (_SELECTIVE, "auto", {"shape": _LOOPS}, "children-one-by-one", _LOOPS),
+        (_SELECTIVE, "pieces", {"shape": _LOOPS}, "children-one-by-one", _LOOPS),
+        (
+            _FULL,
+            "hoist",
+            {"shape": "its forward calls checkpoint"},
+            "children-one-by-one",
+            "calls checkpoint",
+        ),
     ],
 )
 def test_the_resolver_picks_one_strategy_with_its_reason(spec, asked, context, expected, why):
@@ -428,6 +439,34 @@ def test_the_resolver_picks_one_strategy_with_its_reason(spec, asked, context, e
     resolved = plans.resolve(spec, asked=asked, untraceable=lambda: untraceable, **context)
     assert resolved.strategy.name == expected
     assert (why in resolved.why) if why else resolved.why == ""
+
+
+def test_the_first_call_is_measured_when_auto_chose_pieces_for_a_kind_not_measured_yet():
+    assert plans.resolve(_SELECTIVE, asked="auto").measure
+    assert not plans.resolve(_SELECTIVE, asked="auto", measured="").measure  # measured: not heavier
+    assert not plans.resolve(_SELECTIVE, asked="pieces").measure  # the user's choice is kept unmeasured
+    assert not plans.resolve(_FULL, asked="auto").measure  # hoist: nothing to measure
+    block = _moe_block("selective")
+    assert planner.plan(block).decision("").measure
+    measured = planner.plan(block, learned=Learned(measured={id(block): ""}))
+    assert measured.decision("").action is Action.PIECES and not measured.decision("").measure
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hoist", "pieces"])
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_ac_around_a_forward_that_loops_over_boundaries_stays_eager_around_its_children(ac, strategy):
+    # dynamo cannot resume a looping forward after a break: compiled whole (hoist) it runs the
+    # head after the loop eager; its glue under pieces runs eager and unchecked.
+    stack = Node()
+    stack.layers = nn.ModuleList([_unshielded_block() for _ in range(2)])
+    stack.head = nn.Linear(2, 2)
+    plan = planner.plan(_sac(stack) if ac == "selective" else checkpoint_wrapper(stack), strategy=strategy)
+    root = plan.decision("")
+    assert root.action is Action.CHILDREN_ONE_BY_ONE and _LOOPS in root.reason, root.reason
+    assert plan.decision("_checkpoint_wrapped_module").action is Action.WEAVE
+    head = plan.decision("_checkpoint_wrapped_module.head")
+    assert head.region and head.action is Action.COMPILE
+    assert not any(r.pieces for r in plan.regions())  # the AC runs as written, around the children
 
 
 def test_the_resolver_asks_about_the_context_fn_only_where_it_matters():
