@@ -265,7 +265,8 @@ class CheckpointPieces:
         self._saved_by_policy: list[list[int | None]] = []
         self._graphs = 0
         self._raised: list[BaseException] = []  # raised by the user's context_fn or policy while tracing
-        self.failed_pieces: list[str] = []  # why each piece autoweave could not compile runs eager
+        # Why each piece autoweave could not compile runs eager (its saves unmeasured).
+        self.failed_pieces: list[str] = []
 
     def compile(self, gm: Any, example_inputs: Any, inner: Callable[..., Any]) -> Any:
         """``gm`` compiled by ``inner`` under the checkpoint operator (or, where that would be wrong, without)."""
@@ -291,7 +292,15 @@ class CheckpointPieces:
             return inner(gm, example_inputs)
         del self._raised[:]
         try:
-            return inner(self.wrap(gm), example_inputs)
+            wrapped = self.wrap(gm)
+            compiled = inner(wrapped, example_inputs)
+            if compiled is wrapped or getattr(compiled, "__self__", None) is wrapped:
+                # The backend runs the graph as it is (``eager``): the checkpoint operator runs
+                # torch's eager checkpoint, whose own saved-tensor hooks hide this piece's saves
+                # from the first-call measure (226 KB read where the heap held 561 KB,
+                # benchmarks/results/static_memory.md). Unmeasurable: the block is hoisted.
+                self.failed_pieces.append("its backend runs it as it is, its checkpoint eager")
+            return compiled
         except _compat.dynamo.backend_errors_dynamo_handles():
             # A restart (a float made a tensor, say), a skip, a user's dim error: dynamo acts on
             # it as it does for plain torch's backend; swallowed, the piece would run eager.
