@@ -174,6 +174,11 @@ class FirstCall:
 
         if self.finished or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return self.forward(*args, **kwargs)
+        if _compat.dynamo.eager_stance() is not None:
+            # ``set_stance`` runs the pieces eager (an eval or debug step): what they hold then is
+            # not what they hold compiled, and their policy's saves were never traced, so nothing
+            # could be judged and the block kept pieces for good. The next call is measured.
+            return self.forward(*args, **kwargs)
         self.finished = True
         if _compat.checkpoints.saved_tensors_hooks_active():
             # The user's hooks (offloading, say) or an eager checkpoint around the

@@ -189,3 +189,18 @@ def test_a_pieces_block_under_force_eager_keeps_its_checkpoint():
     woven = _held_under_force_eager(_compiled(model, "aot_eager"))
     assert dispatchers.dispatcher_of(model.layers[0]).plan.decision("").action is Action.PIECES
     assert woven <= 1.05 * plain, (woven, plain)
+
+
+def test_a_first_call_under_force_eager_is_not_the_one_measured():
+    # Found by the fuzzer (seed 3586): the block's first call with grad ran under force_eager, where
+    # its pieces run eager and its policy's saves are never traced. The measure could not judge, and
+    # the block kept pieces for good, holding 1.31x plain torch's memory. The next call is measured.
+    eager = _run(_model(bm.GlueGemmBlock, "save-nothing"))
+    torch._dynamo.reset()
+    model = _compiled(_model(bm.GlueGemmBlock, "save-nothing"), "aot_eager")
+    with torch.compiler.set_stance("force_eager"):
+        model(torch.randn(TOKENS, DIM)).square().mean().backward()
+    got = _run(model)
+    assert got["held"] <= 1.05 * eager["held"], (got["held"], eager["held"])
+    root = dispatchers.dispatcher_of(model.layers[0]).plan.decision("")
+    assert root.action is Action.HOIST and "measured: pieces hold" in root.reason, root.reason
