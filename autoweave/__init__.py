@@ -97,9 +97,9 @@ class disabled:  # noqa: N801 - used like a function: `with autoweave.disabled()
     """
 
     def __enter__(self) -> None:
-        from autoweave.dispatch import patches
+        from autoweave.dispatch import routes
 
-        self._cm = patches.disabled()
+        self._cm = routes.disabled()
         self._cm.__enter__()
 
     def __exit__(self, *exc: object) -> None:

@@ -1,6 +1,6 @@
 """The dispatcher behind each compiled module: a state machine that plans at the first forward.
 
-``dispatch.patches`` attaches one to every module handed to ``torch.compile`` or
+``dispatch.routes`` attaches one to every module handed to ``torch.compile`` or
 ``module.compile()``; torch's compiled forward slot then holds the dispatcher's
 ``call``. At the first forward (and again when the module tree under it
 changed) the dispatcher asks the planner for a plan, has ``weave.apply``
@@ -17,7 +17,7 @@ The flow, one hop a line, from the user's compile to the report:
 
 1. ``import torch`` runs ``startup.on_import``: ``dispatch.patches.apply_torch`` wraps
    ``torch.compile`` and ``nn.Module.compile``; ``observe.report_exit.install`` subscribes.
-2. ``torch.compile(module)`` reaches ``dispatch.patches.route_compile`` (``module.compile()``:
+2. ``torch.compile(module)`` reaches ``dispatch.routes.route_compile`` (``module.compile()``:
    ``route_module_compile``), which attaches a ``_Dispatcher`` (``attach_to_optimized`` /
    ``attach_in_place``): torch's compiled forward slot now holds its ``call`` (``_make_call``).
 3. The first forward: ``call`` -> ``ensure_decided`` -> ``_decide`` fingerprints the tree and

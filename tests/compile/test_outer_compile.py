@@ -69,7 +69,7 @@ def _build(blocks: str, form: str, outer: Counting, inner: Counting) -> nn.Modul
     torch.manual_seed(0)
     model = Model([BLOCKS[blocks](i) for i in range(3)])
     for i, block in enumerate(model.layers):
-        if form == "AC outside":  # the checkpoint wrapper's forward is gated (dispatch.patches)
+        if form == "AC outside":  # the checkpoint wrapper's forward is gated (dispatch.routes)
             model.layers[i] = cw.checkpoint_wrapper(torch.compile(block, backend=inner))
             continue
         wrapped = cw.checkpoint_wrapper(block)

@@ -85,6 +85,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.dispatch.plan_inputs",
         "autoweave.dispatch.states",
         "autoweave.dispatch.dispatchers",
+        "autoweave.dispatch.routes",
         "autoweave.dispatch.patches",
     ),
     # Wiring and entry points: start-up, the command-line tools, the public API.
@@ -317,3 +318,16 @@ def test_only_patches_assigns_to_a_torch_attribute() -> None:
                 if isinstance(target, ast.Attribute) and isinstance(root, ast.Name) and root.id == "torch":
                     offenders.append(f"{module}:{node.lineno}")
     assert not offenders, offenders
+
+
+# What start-up imports before torch (``startup``, and the patch registry that start-up hooks and
+# their tests reach for before ``import torch``) imports no torch: torch's import would fire
+# autoweave's own post-import hook while these modules are half-initialized (a merge of the
+# routes into ``patches`` did that: "partially initialized module ... apply_torch").
+@pytest.mark.parametrize(
+    "module", ["autoweave.startup", "autoweave.dispatch.patches", "autoweave.observe.report_exit"]
+)
+def test_what_start_up_imports_before_torch_imports_no_torch(module: str) -> None:
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False", out.stderr

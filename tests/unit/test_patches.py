@@ -19,7 +19,7 @@ import wrapt
 import autoweave
 from autoweave import _installs, _settings, startup
 from autoweave._settings import Settings
-from autoweave.dispatch import dispatchers, patches
+from autoweave.dispatch import dispatchers, patches, routes
 
 ALL_PATCHES = ["checkpoint_wrapper", "compile", "module_compile"]
 
@@ -162,7 +162,7 @@ def test_the_routes_receive_the_call_and_its_arguments(monkeypatch: pytest.Monke
         return record
 
     for name in ("route_compile", "route_module_compile", "route_checkpoint_wrapper"):
-        monkeypatch.setattr(patches, name, spy(getattr(patches, name)))
+        monkeypatch.setattr(routes, name, spy(getattr(routes, name)))
     autoweave.enable()
     linear = nn.Linear(2, 2)
     compiled = torch.compile(linear, backend="eager", dynamic=False)
@@ -312,9 +312,9 @@ def test_disabled_context_nests_and_resets_on_error() -> None:
     with pytest.raises(RuntimeError), autoweave.disabled():
         with autoweave.disabled():
             pass
-        assert patches._off.get()
+        assert routes._off.get()
         raise RuntimeError("boom")
-    assert not patches._off.get()
+    assert not routes._off.get()
 
 
 def test_functions_pass_straight_through() -> None:
