@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from autoweave._failopen import AutoweaveError
     from autoweave.planning.plans import Plan
 
-from autoweave._version import __version__
+from autoweave._settings import __version__
 
 __all__ = [
     "AutoweaveError",

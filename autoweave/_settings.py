@@ -2,7 +2,10 @@
 
 Standard library only: the start-up file imports this module in every Python
 process where ``AUTOWEAVE`` is set, long before torch is loaded.
-"""
+It also holds the package version (``__version__``, read by the build) and its name on the
+package index, at the bottom of the layers so any of them may name it."""
+
+from __future__ import annotations
 
 import os
 
@@ -120,7 +123,7 @@ class Settings:
         return out
 
     @classmethod
-    def from_environ(cls, environ: "Mapping[str, str] | None" = None) -> "Settings":
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
         problems: list[str] = []
 
@@ -198,7 +201,7 @@ class Settings:
 #
 # Owned here, so every layer reads them without importing the start-up code.
 
-_current: "Settings | None" = None
+_current: Settings | None = None
 
 
 def current() -> Settings:
@@ -209,7 +212,7 @@ def current() -> Settings:
     return _current
 
 
-def reload(new: "Settings | None" = None) -> Settings:
+def reload(new: Settings | None = None) -> Settings:
     """Re-read the environment (or take ``new``); for tests and ``autoweave.enable()``."""
     global _current
     _current = Settings.from_environ() if new is None else new
@@ -223,18 +226,26 @@ MODE_ATTR = "_autoweave_mode"
 STRATEGY_ATTR = "_autoweave_strategy"
 
 
-def check_choice(kind: str, value: str, accepted: "tuple[str, ...]") -> None:
+def check_choice(kind: str, value: str, accepted: tuple[str, ...]) -> None:
     """Raise ``ValueError`` naming the accepted values unless ``value`` is one of them."""
     if value not in accepted:
         raise ValueError(f"{kind}={value!r} not understood (accepted: {', '.join(accepted)})")
 
 
 def mode_and_strategy(
-    module: object, mode: "str | None" = None, strategy: "str | None" = None
-) -> "tuple[str, str]":
+    module: object, mode: str | None = None, strategy: str | None = None
+) -> tuple[str, str]:
     """The weave mode and AC strategy for ``module``: the arguments, then ``set_mode``'s, then the settings."""
     settings = current()
     return (
         mode or getattr(module, MODE_ATTR, None) or settings.mode,
         strategy or getattr(module, STRATEGY_ATTR, None) or settings.strategy,
     )
+
+
+__version__ = "0.1.0"
+
+# The name on the package index (``pip install torch-autoweave``): "autoweave" there is
+# an unrelated project that also ships an ``autoweave`` import package. The import
+# package keeps its name.
+DISTRIBUTION = "torch-autoweave"

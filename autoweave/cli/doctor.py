@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from autoweave import _settings
-from autoweave._version import DISTRIBUTION
+from autoweave._settings import DISTRIBUTION
 
 START_UP_FILES = ("autoweave.pth", "autoweave.start")
 OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"

@@ -360,7 +360,7 @@ class _Stats:
     def snapshot(self) -> dict[str, Any]:
         import torch
 
-        from autoweave import _settings, _version
+        from autoweave import _settings
 
         counters = _compat.dynamo.dynamo_counters()
         stats = dict(counters.get("stats", {}))
@@ -402,7 +402,7 @@ class _Stats:
                 }
             )
         return {
-            "autoweave": _version.__version__,
+            "autoweave": _settings.__version__,
             "torch": torch.__version__,
             "python": sys.version.split()[0],
             "rank": rank(),

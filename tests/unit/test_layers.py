@@ -24,7 +24,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # settings, run-time state, the install registry, what autoweave attaches to instances,
     # torch names, logging, dynamo's loggers, fail-open.
     (
-        "autoweave._version",
         "autoweave._settings",
         "autoweave._state",
         "autoweave._installs",
