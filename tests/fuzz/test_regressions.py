@@ -105,3 +105,32 @@ def test_a_late_hook_at_a_low_recompile_limit_trains_as_plain(capsys: pytest.Cap
     # ... and says so, once, naming the region at its limit.
     told = [line for line in capsys.readouterr().err.splitlines() if "is at dynamo's recompile limit" in line]
     assert len(told) == 1 and "autoweave_FuzzBlock" in told[0], told
+
+
+# Seed 3586 (issue 33's long run): a whole-model compile over selective-AC blocks with a
+# `.item()` break; the first woven call ran under `set_stance("force_eager")`. That was the
+# blocks' first call with grad, which the pieces' memory measure took: run eager, the pieces'
+# policy saves were never traced, nothing could be judged, and the blocks kept pieces for good
+# (1.31x plain torch's activation memory). A call under an eager stance is no longer measured.
+FIRST_CALL_UNDER_FORCE_EAGER = Case(
+    seed=3586,
+    layers=2,
+    value_type="none",
+    value_place="private",
+    values_differ=False,
+    brk="item",
+    break_at="first",
+    ac="selective-nothing",
+    form="torch.compile(model)",
+    fullgraph=False,
+    strategy="auto",
+    decorator="none",
+    lengths="dynamic=True",
+    recompile_limit=2,
+    steps=4,
+    events=((1, "force-eager", 0, False, ""),),
+)
+
+
+def test_a_first_call_under_force_eager_leaves_the_memory_measure_to_the_next() -> None:
+    assert _differences(FIRST_CALL_UNDER_FORCE_EAGER) == []
