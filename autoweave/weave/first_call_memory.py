@@ -172,12 +172,15 @@ class FirstCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import torch
 
-        if self.finished or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return self.forward(*args, **kwargs)
-        if _compat.dynamo.eager_stance() is not None:
-            # ``set_stance`` runs the pieces eager (an eval or debug step): what they hold then is
-            # not what they hold compiled, and their policy's saves were never traced, so nothing
-            # could be judged and the block kept pieces for good. The next call is measured.
+        # A call under an eager ``set_stance`` (an eval or debug step) runs the pieces eager: what
+        # they hold then is not what they hold compiled, and their policy's saves were never
+        # traced, so nothing could be judged. Such a call passes, as one without grad does.
+        if (
+            self.finished
+            or not torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or _compat.dynamo.eager_stance() is not None
+        ):
             return self.forward(*args, **kwargs)
         self.finished = True
         if _compat.checkpoints.saved_tensors_hooks_active():
