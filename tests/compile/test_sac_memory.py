@@ -124,6 +124,32 @@ def test_under_the_eager_backend_the_default_holds_at_most_eager_sac_memory(poli
     assert root.action is Action.HOIST and "its checkpoint eager" in root.reason, root.reason
 
 
+class _ContextWithoutOpOutput:
+    """torch 2.11's ``SelectiveCheckpointContext``: the policy is asked before the op runs, without its output."""
+
+    def __init__(self, *, is_recompute: bool, op_output=None) -> None:
+        self.is_recompute = is_recompute
+
+
+@pytest.mark.parametrize("policy", ["torchtitan-style", "save-matmuls"])  # policies that save: sizes asked
+def test_where_eager_sac_memory_cannot_be_told_the_default_holds_at_most_eager_sac_memory(
+    policy, monkeypatch
+):
+    # On torch 2.11 (an H200 run, benchmarks/results/gpu/h200_torch211.md) the pieces' policy saves
+    # could not be sized, the measure could not compare, and pieces stayed: 1.10x eager SAC's
+    # activations there, 2.9x here under the torchtitan-style policy. Pieces not shown to hold no
+    # more are planned with hoist.
+    monkeypatch.setattr(torch.utils.checkpoint, "SelectiveCheckpointContext", _ContextWithoutOpOutput)
+    eager = _run(_model(bm.GlueGemmBlock, policy))
+    torch._dynamo.reset()
+    model = _compiled(_model(bm.GlueGemmBlock, policy), "aot_eager")
+    got = _run(model)
+    assert got["held"] <= 1.05 * eager["held"], (got["held"], eager["held"])
+    torch.testing.assert_close(got["losses"], eager["losses"], rtol=1e-5, atol=1e-6)
+    root = dispatchers.dispatcher_of(model.layers[0]).plan.decision("")
+    assert root.action is Action.HOIST and "could not be told" in root.reason, root.reason
+
+
 def test_a_policy_that_saves_the_matmuls_keeps_pieces():
     torch._dynamo.reset()
     model = _compiled(_model(bm.GlueGemmBlock, "save-matmuls"), "aot_eager")
