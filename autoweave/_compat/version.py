@@ -117,11 +117,9 @@ def _init_names(cls: type, *names: str) -> bool:
     """Do the ``__init__``s of ``cls`` and its bases set (or read) every attribute in ``names``?"""
     seen: set[str] = set()
     for klass in cls.__mro__:
-        init = vars(klass).get("__init__")
-        code = getattr(inspect.unwrap(init), "__code__", None) if init is not None else None
-        if code is not None:
-            seen.update(code.co_names)
-    return all(name in seen for name in names)
+        code = getattr(inspect.unwrap(vars(klass).get("__init__")), "__code__", None)
+        seen.update(code.co_names if code is not None else ())
+    return set(names) <= seen
 
 
 def _fsdp2_state() -> bool:
