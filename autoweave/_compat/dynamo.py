@@ -31,7 +31,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from typing import Any
 
 from autoweave._compat.backends import cache_entries
@@ -498,10 +498,8 @@ def backend_errors_dynamo_handles() -> tuple[type[BaseException], ...]:
     names = ("RestartAnalysis", "SkipFrame", "ShortenTraceback")
     found: list[type[BaseException]] = [IndexError]
     found += [t for t in (find_optional(f"torch._dynamo.exc.{name}") for name in names) if t is not None]
-    try:
+    with suppress(UnsupportedTorch, TypeError):
         found.extend(find("torch._dynamo.exc.exceptions_allowed_to_be_fallback"))
-    except (UnsupportedTorch, TypeError):
-        pass
     return tuple(found)
 
 
