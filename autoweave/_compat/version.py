@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoweave._compat import checkpoints, dynamo, log_strings, modules
-from autoweave._compat.lookup import UnsupportedTorch, find
+from autoweave._compat.lookup import UnsupportedTorch, find, find_optional
 
 # The torch releases autoweave is tested on, inclusive, as (major, minor).
 TESTED_TORCH = ((2, 11), (2, 15))
@@ -123,13 +123,10 @@ def _init_names(cls: type, *names: str) -> bool:
 
 
 def _fsdp2_state() -> bool:
-    for name in modules.FSDP2_STATE_MODULES:
-        try:
-            state = importlib.import_module(name).FSDPState
-        except (ImportError, AttributeError):
-            continue
-        return all(callable(getattr(state, attr, None)) for attr in ("init", "_pre_forward", "_post_forward"))
-    return False
+    state = find_optional(*(f"{name}.FSDPState" for name in modules.FSDP2_STATE_MODULES))
+    return state is not None and all(
+        callable(getattr(state, attr, None)) for attr in ("init", "_pre_forward", "_post_forward")
+    )
 
 
 def _compile_code_argument() -> bool:
@@ -148,6 +145,10 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
     def in_source(what: str, module_name: str, needle: str) -> tuple[str, Callable[[], bool]]:
         # A row for a string dynamo's code must hold (a hook's name, a message's wording).
         return what, lambda: needle in inspect.getsource(importlib.import_module(module_name))
+
+    def message(kind: str, module_name: str, needle: str) -> tuple[str, Callable[[], bool]]:
+        # A row for the wording of a dynamo message ``log_strings`` reads.
+        return in_source(f"dynamo's {kind} message {needle!r}", module_name, needle)
 
     return (
         ("torch._dynamo.eval_frame.OptimizedModule", modules.optimized_module),
@@ -183,24 +184,12 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
         has("torch.nn.modules.module.register_module_module_registration_hook"),
         ("FSDP2's FSDPState.init/_pre_forward/_post_forward", _fsdp2_state),
         ("torch._logging._internal (log registry)", dynamo.torch_logging_internal),
-        in_source(
-            f"dynamo's fallback message {log_strings.FALLBACK_NEEDLE!r}",
-            log_strings.FALLBACK_LOGGER,
-            log_strings.FALLBACK_NEEDLE,
-        ),
-        in_source(
-            f"dynamo's recompile-limit message {log_strings.RECOMPILE_LIMIT_NEEDLE!r}",
-            "torch._dynamo.convert_frame",
-            log_strings.RECOMPILE_LIMIT_NEEDLE,
-        ),
+        message("fallback", log_strings.FALLBACK_LOGGER, log_strings.FALLBACK_NEEDLE),
+        message("recompile-limit", "torch._dynamo.convert_frame", log_strings.RECOMPILE_LIMIT_NEEDLE),
         in_source("dynamo's graph_breaks log artifact", "torch._dynamo.symbolic_convert", '"graph_breaks"'),
         has("torch._dynamo.config.suppress_errors"),
         ("torch._dynamo.convert_frame.ConvertFrame.__call__(frame, ...)", _convert_frame_argument),
-        in_source(
-            f"dynamo's suppressed-error message {log_strings.SUPPRESSED_NEEDLE!r}",
-            "torch._dynamo.exc",
-            log_strings.SUPPRESSED_NEEDLE,
-        ),
+        message("suppressed-error", "torch._dynamo.exc", log_strings.SUPPRESSED_NEEDLE),
         ("torch._C._dynamo.eval_frame.set_code_exec_strategy", lambda: list(map(find, dynamo.EXEC_STRATEGY))),
     )
 
