@@ -32,12 +32,4 @@ package only imports its modules, so ``from autoweave import _compat`` reaches t
 
 from autoweave._compat import backends, checkpoints, dynamo, log_strings, lookup, modules, version
 
-__all__ = [
-    "backends",
-    "checkpoints",
-    "dynamo",
-    "log_strings",
-    "lookup",
-    "modules",
-    "version",
-]
+__all__ = ["backends", "checkpoints", "dynamo", "log_strings", "lookup", "modules", "version"]

@@ -42,19 +42,16 @@ def saved_tensors_hooks_active() -> bool:
 
     A measure that installs its own would shadow them: autoweave then does not measure.
     """
-    import torch
-
-    if getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None) is None:
-        return True  # cannot tell: assume so, and do not measure
-    return _top_saved_tensors_hooks() is not None
+    return _top_saved_tensors_hooks(unknown=True) is not None  # cannot tell: assume so, and do not measure
 
 
-def _top_saved_tensors_hooks() -> tuple[Any, Any] | None:
+def _top_saved_tensors_hooks(unknown: Any = None) -> Any:
+    # The innermost (pack, unpack) hooks in force, None if none; ``unknown`` on a torch that cannot tell.
     import torch
 
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top is None:
-        return None
+        return unknown
     try:
         return top(True)
     except TypeError:  # an older signature, without the tracing flag
@@ -159,10 +156,9 @@ def in_backward() -> bool:
     """Is this code running inside autograd's backward (a checkpoint's recompute, say)?"""
     import torch
 
-    current = getattr(torch._C, "_current_graph_task_id", None)
     try:
-        return current is not None and int(current()) != -1
-    except Exception:
+        return int(torch._C._current_graph_task_id()) != -1
+    except Exception:  # a torch without it: not known to be in backward
         return False
 
 
@@ -170,12 +166,9 @@ def next_autograd_sequence_nr() -> int | None:
     """The number autograd gives the next node it creates (no op is run to learn it); None if unknown."""
     import torch
 
-    peek = getattr(torch._C._autograd, "_get_sequence_nr", None)
-    if peek is None:
-        return None
     try:
-        return int(peek())
-    except Exception:
+        return int(torch._C._autograd._get_sequence_nr())
+    except Exception:  # a torch without it
         return None
 
 

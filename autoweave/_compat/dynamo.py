@@ -31,7 +31,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext, suppress
 from typing import Any
 
 from autoweave._compat.backends import cache_entries
@@ -69,12 +69,7 @@ def trace_structured(name: str, payload: Any) -> None:
 @functools.cache
 def torch_logging_internal() -> Any:
     """``torch._logging._internal`` when it has what ``observe.graph_breaks`` uses, else None."""
-    import importlib
-
-    try:
-        internal = importlib.import_module("torch._logging._internal")
-    except ImportError:
-        return None
+    internal = find_optional("torch._logging._internal")  # None has none of the names: None
     needed = ("log_registry", "register_log", "_is_torch_handler", "_setup_handlers")
     return internal if all(hasattr(internal, name) for name in needed) else None
 
@@ -98,12 +93,10 @@ def add_torch_log_handlers(logger: Any, file: str | None) -> None:
 
 def dynamo_disabled(fn: Any) -> bool:
     """True when ``fn`` was wrapped by ``torch.compiler.disable``/``torch._dynamo.disable``."""
-    seen = 0
-    while fn is not None and seen < 8:
+    for _ in range(8):  # once ``fn`` is None every read below is None: False
         if getattr(fn, "_torchdynamo_disable", False):
             return True
         fn = getattr(fn, "__wrapped__", None) or getattr(fn, "__func__", None)
-        seen += 1
     return False
 
 
@@ -189,11 +182,7 @@ def eager_stance() -> str | None:
 @functools.cache
 def _eval_frame() -> Any:
     # Asked on every call of a pieces block (``weave.apply``): the module once, its stance each time.
-    try:
-        import torch._dynamo.eval_frame as eval_frame
-    except ImportError:  # pragma: no cover - dynamo moved
-        return None
-    return eval_frame
+    return find_optional("torch._dynamo.eval_frame")
 
 
 COMPILE_CALLBACKS_MODULE = "torch._dynamo.callback"
@@ -206,11 +195,8 @@ def compile_callbacks() -> Any:
 
 def reset_code(code: Any) -> bool:
     """Drop dynamo's cache entries for one code object (its next call recompiles); False if unsupported."""
-    try:
-        import torch._dynamo
-
-        reset = torch._dynamo.reset_code
-    except (ImportError, AttributeError):
+    reset = find_optional("torch._dynamo.reset_code")
+    if reset is None:
         return False
     reset(code)
     return True
@@ -219,12 +205,7 @@ def reset_code(code: Any) -> bool:
 @functools.cache
 def dynamo_compile_code() -> Any:
     """The code of ``torch._dynamo.convert_frame._compile`` (None where it moved)."""
-    try:
-        from torch._dynamo import convert_frame
-
-        return inspect.unwrap(convert_frame._compile).__code__
-    except (ImportError, AttributeError):
-        return None
+    return getattr(inspect.unwrap(find_optional("torch._dynamo.convert_frame._compile")), "__code__", None)
 
 
 def code_being_compiled() -> Any:
@@ -233,8 +214,7 @@ def code_being_compiled() -> Any:
     dynamo's compile-start callbacks are told the compile id, not the frame; the
     frame is an argument of ``torch._dynamo.convert_frame._compile``, up the stack.
     """
-    code, _ = compile_in_progress()
-    return code
+    return compile_in_progress()[0]
 
 
 def compile_in_progress() -> tuple[Any, Any]:
@@ -243,16 +223,19 @@ def compile_in_progress() -> tuple[Any, Any]:
     (None, None) outside a compile or where ``_compile`` moved. The backend is
     as dynamo holds it (wrapped by torch: see ``backends_within``).
     """
-    target = dynamo_compile_code()
-    if target is None:
+    frame = _frame_running(dynamo_compile_code())
+    if frame is None:
         return None, None
+    code = frame.f_locals.get("code")
+    return (code if isinstance(code, types.CodeType) else None), frame.f_locals.get("compiler_fn")
+
+
+def _frame_running(target: Any) -> types.FrameType | None:
+    # The innermost frame up the stack running code ``target``; None if none (or ``target`` is None).
     frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is target:
-            code = frame.f_locals.get("code")
-            return (code if isinstance(code, types.CodeType) else None), frame.f_locals.get("compiler_fn")
+    while frame is not None and frame.f_code is not target:
         frame = frame.f_back
-    return None, None
+    return frame
 
 
 # Where torch's wrappers of a backend keep the one they wrap: ``WrapBackendDebug`` and
@@ -355,13 +338,13 @@ class _InsertionOrder:
         self._running = 0
         self._lock = threading.Lock()  # the flag is process-wide: threads share one count
 
-    def enter(self) -> None:
+    def __enter__(self) -> None:
         with self._lock:
             if self._running == 0:
                 self._set_lru(False)
             self._running += 1
 
-    def exit(self) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         with self._lock:
             self._running -= 1
             if self._running == 0:
@@ -472,13 +455,8 @@ def lookups_in_order(
             args, kwargs = inputs(args, kwargs)
         if at_limit is not None and at_limit(args, kwargs):
             return uncompiled(*args, **kwargs)
-        if order is None:
+        with order or nullcontext():
             return compiled(*args, **kwargs)
-        order.enter()
-        try:
-            return compiled(*args, **kwargs)
-        finally:
-            order.exit()
 
     functools.update_wrapper(in_order, compiled)
     # A trace that meets it (an outer compile inlining the block) traces the compiled
@@ -512,42 +490,26 @@ def backend_errors_dynamo_handles() -> tuple[type[BaseException], ...]:
     error, raised as such), and turns the fake-tensor exceptions in
     ``exceptions_allowed_to_be_fallback`` into a graph break.
     """
+    names = ("RestartAnalysis", "SkipFrame", "ShortenTraceback")
     found: list[type[BaseException]] = [IndexError]
-    for path in (
-        "torch._dynamo.exc.RestartAnalysis",
-        "torch._dynamo.exc.SkipFrame",
-        "torch._dynamo.exc.ShortenTraceback",
-    ):
-        exc_type = find_optional(path)
-        if exc_type is not None:
-            found.append(exc_type)
-    try:
+    found += [t for t in (find_optional(f"torch._dynamo.exc.{name}") for name in names) if t is not None]
+    with suppress(UnsupportedTorch, TypeError):
         found.extend(find("torch._dynamo.exc.exceptions_allowed_to_be_fallback"))
-    except (UnsupportedTorch, TypeError):
-        pass
     return tuple(found)
 
 
 @functools.cache
 def convert_frame_call_code() -> Any:
     """The code of dynamo's ``ConvertFrame.__call__`` (None where it moved)."""
-    try:
-        from torch._dynamo import convert_frame
-
-        return inspect.unwrap(convert_frame.ConvertFrame.__call__).__code__
-    except (ImportError, AttributeError):
-        return None
+    convert_frame = find_optional("torch._dynamo.convert_frame.ConvertFrame")
+    call = None if convert_frame is None else inspect.unwrap(convert_frame.__call__)
+    return getattr(call, "__code__", None)
 
 
 def converting_code() -> Any:
     """The code of the frame dynamo's ``ConvertFrame.__call__`` (up the stack) is converting, or None."""
-    target = convert_frame_call_code()
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is target:
-            return getattr(frame.f_locals.get("frame"), "f_code", None)
-        frame = frame.f_back
-    return None
+    frame = _frame_running(convert_frame_call_code())
+    return None if frame is None else getattr(frame.f_locals.get("frame"), "f_code", None)
 
 
 @contextmanager
@@ -560,12 +522,12 @@ def suppressing_errors() -> Iterator[bool]:
     (``compile_again`` undoes it). The config is process-wide: another thread
     compiling meanwhile is suppressed too.
     """
-    try:
-        import torch._dynamo.config as config
-    except ImportError:
-        yield False
-        return
-    if convert_frame_call_code() is None or getattr(config, "fail_on_recompile_limit_hit", False):
+    config = find_optional("torch._dynamo.config")
+    if (
+        config is None
+        or convert_frame_call_code() is None
+        or getattr(config, "fail_on_recompile_limit_hit", False)
+    ):
         yield False
         return
     with config.patch(suppress_errors=True):

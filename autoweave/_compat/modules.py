@@ -132,9 +132,7 @@ FSDP2_STATE_MODULES = (
 
 def register_module_registration_hook(hook: Any) -> Any:
     """torch's global hook on every submodule registration; returns its handle (None if missing)."""
-    import torch.nn.modules.module as module_mod
-
-    register = getattr(module_mod, "register_module_module_registration_hook", None)
+    register = find_optional("torch.nn.modules.module.register_module_module_registration_hook")
     return None if register is None else register(hook)
 
 

@@ -18,17 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoweave._compat import checkpoints, dynamo, log_strings, modules
-from autoweave._compat.lookup import UnsupportedTorch, find
+from autoweave._compat.lookup import UnsupportedTorch, find, find_optional
 
 # The torch releases autoweave is tested on, inclusive, as (major, minor).
 TESTED_TORCH = ((2, 11), (2, 15))
 
 
-def torch_version(raw: str | None = None) -> tuple[int, int]:
-    if raw is None:
-        import torch
-
-        raw = torch.__version__
+def torch_version(raw: str) -> tuple[int, int]:
     match = re.match(r"(\d+)\.(\d+)", str(raw))
     if not match:
         raise UnsupportedTorch(f"cannot read torch version {raw!r}")
@@ -117,31 +113,20 @@ def check_torch_version(raw: str | None = None, *, untested: str = "check") -> T
     return support
 
 
-def _source_has(module_name: str, *needles: str) -> bool:
-    module = importlib.import_module(module_name)
-    text = inspect.getsource(module)
-    return all(needle in text for needle in needles)
-
-
 def _init_names(cls: type, *names: str) -> bool:
     """Do the ``__init__``s of ``cls`` and its bases set (or read) every attribute in ``names``?"""
     seen: set[str] = set()
     for klass in cls.__mro__:
-        init = vars(klass).get("__init__")
-        code = getattr(inspect.unwrap(init), "__code__", None) if init is not None else None
-        if code is not None:
-            seen.update(code.co_names)
-    return all(name in seen for name in names)
+        code = getattr(inspect.unwrap(vars(klass).get("__init__")), "__code__", None)
+        seen.update(code.co_names if code is not None else ())
+    return set(names) <= seen
 
 
 def _fsdp2_state() -> bool:
-    for name in modules.FSDP2_STATE_MODULES:
-        try:
-            state = importlib.import_module(name).FSDPState
-        except (ImportError, AttributeError):
-            continue
-        return all(callable(getattr(state, attr, None)) for attr in ("init", "_pre_forward", "_post_forward"))
-    return False
+    state = find_optional(*(f"{name}.FSDPState" for name in modules.FSDP2_STATE_MODULES))
+    return state is not None and all(
+        callable(getattr(state, attr, None)) for attr in ("init", "_pre_forward", "_post_forward")
+    )
 
 
 def _compile_code_argument() -> bool:
@@ -157,14 +142,19 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
         # A row for a name that only has to exist: reported by its own path.
         return path, lambda: find(path) is not None
 
+    def in_source(what: str, module_name: str, needle: str) -> tuple[str, Callable[[], bool]]:
+        # A row for a string dynamo's code must hold (a hook's name, a message's wording).
+        return what, lambda: needle in inspect.getsource(importlib.import_module(module_name))
+
+    def message(kind: str, module_name: str, needle: str) -> tuple[str, Callable[[], bool]]:
+        # A row for the wording of a dynamo message ``log_strings`` reads.
+        return in_source(f"dynamo's {kind} message {needle!r}", module_name, needle)
+
     return (
         ("torch._dynamo.eval_frame.OptimizedModule", modules.optimized_module),
         ("OptimizedModule._orig_mod", lambda: _init_names(modules.optimized_module(), "_orig_mod")),
         ("torch.nn.Module._compiled_call_impl", lambda: "_compiled_call_impl" in vars(torch.nn.Module)),
-        (
-            f"dynamo's inline hook {dynamo.TRACE_AS!r}",
-            lambda: _source_has("torch._dynamo.eval_frame", dynamo.TRACE_AS),
-        ),
+        in_source(f"dynamo's inline hook {dynamo.TRACE_AS!r}", "torch._dynamo.eval_frame", dynamo.TRACE_AS),
         (
             "torch.nn.Module._forward_pre_hooks/_forward_hooks",
             lambda: {"_forward_pre_hooks", "_forward_hooks"} <= set(vars(torch.nn.Module())),
@@ -177,9 +167,10 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
             ),
         ),
         ("torch._higher_order_ops.wrap.tag_activation_checkpoint", checkpoints.tag_activation_checkpoint),
-        (
+        in_source(
             f"the checkpoint operator's {checkpoints.CHECKPOINT_CONTEXT_FN_KEY!r} key",
-            lambda: _source_has("torch._higher_order_ops.wrap", checkpoints.CHECKPOINT_CONTEXT_FN_KEY),
+            "torch._higher_order_ops.wrap",
+            checkpoints.CHECKPOINT_CONTEXT_FN_KEY,
         ),
         has("torch._dynamo.exc.Unsupported"),
         has("torch._dynamo.disable"),
@@ -193,27 +184,12 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
         has("torch.nn.modules.module.register_module_module_registration_hook"),
         ("FSDP2's FSDPState.init/_pre_forward/_post_forward", _fsdp2_state),
         ("torch._logging._internal (log registry)", dynamo.torch_logging_internal),
-        (
-            f"dynamo's fallback message {log_strings.FALLBACK_NEEDLE!r}",
-            lambda: _source_has(log_strings.FALLBACK_LOGGER, log_strings.FALLBACK_NEEDLE),
-        ),
-        (
-            f"dynamo's recompile-limit message {log_strings.RECOMPILE_LIMIT_NEEDLE!r}",
-            lambda: _source_has("torch._dynamo.convert_frame", log_strings.RECOMPILE_LIMIT_NEEDLE),
-        ),
-        (
-            "dynamo's graph_breaks log artifact",
-            lambda: _source_has("torch._dynamo.symbolic_convert", '"graph_breaks"'),
-        ),
-        (
-            "torch._dynamo.config.suppress_errors",
-            lambda: hasattr(find("torch._dynamo.config"), "suppress_errors"),
-        ),
+        message("fallback", log_strings.FALLBACK_LOGGER, log_strings.FALLBACK_NEEDLE),
+        message("recompile-limit", "torch._dynamo.convert_frame", log_strings.RECOMPILE_LIMIT_NEEDLE),
+        in_source("dynamo's graph_breaks log artifact", "torch._dynamo.symbolic_convert", '"graph_breaks"'),
+        has("torch._dynamo.config.suppress_errors"),
         ("torch._dynamo.convert_frame.ConvertFrame.__call__(frame, ...)", _convert_frame_argument),
-        (
-            f"dynamo's suppressed-error message {log_strings.SUPPRESSED_NEEDLE!r}",
-            lambda: _source_has("torch._dynamo.exc", log_strings.SUPPRESSED_NEEDLE),
-        ),
+        message("suppressed-error", "torch._dynamo.exc", log_strings.SUPPRESSED_NEEDLE),
         ("torch._C._dynamo.eval_frame.set_code_exec_strategy", lambda: list(map(find, dynamo.EXEC_STRATEGY))),
     )
 
@@ -236,12 +212,11 @@ def self_check() -> list[str]:
     release that moved one of these names leaves autoweave off, naming it,
     instead of failing deep inside a patch.
     """
-    missing = []
-    for what, probe in _needs():
-        try:
-            ok = probe()
-        except Exception:  # a moved module, a changed signature: that name is missing
-            ok = False
-        if not ok:
-            missing.append(what)
-    return missing
+    return [what for what, probe in _needs() if not _passes(probe)]
+
+
+def _passes(probe: Callable[[], Any]) -> bool:
+    try:
+        return bool(probe())
+    except Exception:  # a moved module, a changed signature: that name is missing
+        return False
