@@ -205,10 +205,8 @@ def other_distributions(path: list[str] | None = None) -> list[tuple[str, str]]:
     PyPI's ``autoweave`` is an unrelated project with a top-level ``autoweave/``:
     installed beside ours, one overwrites the other's files.
     """
-    from importlib.metadata import distributions
-
     found = {}
-    for dist in distributions(**({} if path is None else {"path": path})):
+    for dist in importlib.metadata.distributions(**({} if path is None else {"path": path})):
         name = dist.metadata.get("Name") or ""
         if name.lower().replace("_", "-") == DISTRIBUTION:
             continue
@@ -284,11 +282,10 @@ def check_settings(environ: dict[str, str] | None = None) -> list[Check]:
 
 def live_check(timeout: float = 180.0, start_up_found: bool = False) -> Check:
     """Start a fresh interpreter with ``AUTOWEAVE=1``: is torch.compile patched there?"""
-    env = {**os.environ, _settings.AUTOWEAVE: "1"}
     try:
         proc = subprocess.run(
             [sys.executable, "-c", _LIVE_CHECK],
-            env=env,
+            env={**os.environ, _settings.AUTOWEAVE: "1"},
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -338,18 +335,15 @@ def _live_fix(result: dict, start_up_found: bool) -> str:
 
 def run(*, live: bool = True) -> tuple[list[Check], bool]:
     """All checks, and whether activation would work."""
-    checks = check_versions()
+    versions = check_versions()
     start_up, usable = check_start_up_file()
-    checks += start_up
     shell, shell_ours = check_sitecustomize()
     if shell_ours:
         for check in start_up:
             if check.title.startswith("no start-up file"):
                 check.status, check.fix = INFO, ""
                 check.detail += "; autoweave's sitecustomize shell starts it instead"
-    checks.append(shell)
-    checks += check_settings()
-    checks += check_other_distributions()
+    checks = [*versions, *start_up, shell, *check_settings(), *check_other_distributions()]
     if live:
         checks.append(live_check(start_up_found=usable or shell_ours))
     # Without the live check, a start-up file or shell must be seen to call it working.

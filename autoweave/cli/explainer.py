@@ -41,10 +41,7 @@ def load_object(spec: str) -> Any:
     module = _load_module(module_part)
     if any(c in name for c in "()[] "):
         return eval(name, vars(module))  # noqa: S307 - the user's own expression, like python -c
-    obj: Any = module
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return functools.reduce(getattr, name.split("."), module)
 
 
 def _load_module(name: str) -> Any:
