@@ -27,7 +27,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     explain.add_argument(
         "--shard",
-        default=None,
         type=lambda raw: tuple(s.strip() for s in raw.split(",") if s.strip()),
         help="comma list of submodule names treated as FSDP units (default: experts, where present); "
         "a name that matches nothing is an error",
@@ -35,15 +34,14 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--blocks",
         metavar="PATH",
-        default=None,
         help="dotted name of the container whose children are the blocks, e.g. model.layers "
         "(default: the ModuleList/ModuleDict holding the most parameters)",
     )
     explain.add_argument(
         "--recipe", metavar="MODULE:FUNCTION", help="apply your own AC / FSDP marking instead"
     )
-    explain.add_argument("--mode", choices=_settings.MODES, default=None)
-    explain.add_argument("--strategy", choices=_settings.STRATEGIES, default=None)
+    explain.add_argument("--mode", choices=_settings.MODES)
+    explain.add_argument("--strategy", choices=_settings.STRATEGIES)
     explain.add_argument("--fullgraph", action="store_true")
     return parser
 
