@@ -27,22 +27,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     explain.add_argument(
         "--shard",
-        default=None,
+        type=lambda raw: tuple(s.strip() for s in raw.split(",") if s.strip()),
         help="comma list of submodule names treated as FSDP units (default: experts, where present); "
         "a name that matches nothing is an error",
     )
     explain.add_argument(
         "--blocks",
         metavar="PATH",
-        default=None,
         help="dotted name of the container whose children are the blocks, e.g. model.layers "
         "(default: the ModuleList/ModuleDict holding the most parameters)",
     )
     explain.add_argument(
         "--recipe", metavar="MODULE:FUNCTION", help="apply your own AC / FSDP marking instead"
     )
-    explain.add_argument("--mode", choices=_settings.MODES, default=None)
-    explain.add_argument("--strategy", choices=_settings.STRATEGIES, default=None)
+    explain.add_argument("--mode", choices=_settings.MODES)
+    explain.add_argument("--strategy", choices=_settings.STRATEGIES)
     explain.add_argument("--fullgraph", action="store_true")
     return parser
 
@@ -62,20 +61,16 @@ def main(argv: list[str] | None = None) -> int:
         text = explain_mod.explain(
             factory,
             ac=args.ac,
-            shard=None
-            if args.shard is None
-            else tuple(s.strip() for s in args.shard.split(",") if s.strip()),
+            shard=args.shard,
             blocks=args.blocks,
             recipe=recipe,
             mode=args.mode or settings.mode,
             strategy=args.strategy or settings.strategy,
             fullgraph=args.fullgraph,
         )
-    except explain_mod.BadInput as exc:
-        sys.stderr.write(f"autoweave explain: {exc}\n")
-        return 2
-    except Exception as exc:
-        sys.stderr.write(f"autoweave explain: {type(exc).__name__}: {exc}\n")
+    except Exception as exc:  # BadInput says what to change; anything else is named by its type
+        detail = exc if isinstance(exc, explain_mod.BadInput) else f"{type(exc).__name__}: {exc}"
+        sys.stderr.write(f"autoweave explain: {detail}\n")
         return 2
     sys.stdout.write(text + "\n")
     return 0
@@ -90,9 +85,8 @@ def run_command(argv: list[str] | None = None) -> int:
     os.environ["AUTOWEAVE"] = "1"
     # Make the checkout's sitecustomize shell reachable too, for interpreters
     # that do not see the installed start-up file (e.g. a different venv's python -S).
-    program = shutil.which(args[0]) or args[0]
     try:
-        os.execvp(program, args)
+        os.execvp(shutil.which(args[0]) or args[0], args)
     except OSError as exc:
         sys.stderr.write(f"autoweave-run: cannot run {args[0]!r}: {exc}\n")
         return 127

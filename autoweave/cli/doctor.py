@@ -5,6 +5,7 @@ Standard library only until the live check, which runs in a fresh subprocess.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -13,6 +14,7 @@ import stat
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from autoweave import _settings
 from autoweave._settings import DISTRIBUTION
@@ -45,19 +47,18 @@ class Check:
 
 def _version(dist: str) -> str | None:
     try:
-        from importlib.metadata import version
-
-        return version(dist)
+        return importlib.metadata.version(dist)
     except Exception:
         return None
 
 
 def _tuple(raw: str) -> tuple[int, ...]:
-    out = []
-    for part in raw.split(".")[:3]:
-        digits = "".join(c for c in part if c.isdigit())
-        out.append(int(digits) if digits else 0)
-    return tuple(out)
+    # The digits of each of the first three parts, 0 for a part without any.
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in raw.split(".")[:3])
+
+
+def _read(path: str) -> str:
+    return Path(path).read_text(encoding="utf-8", errors="replace")
 
 
 def check_torch(version: str | None, untested: str | None = None) -> Check:
@@ -105,16 +106,15 @@ def check_torch(version: str | None, untested: str | None = None) -> Check:
 
 
 def check_versions() -> list[Check]:
-    checks = []
     py = sys.version_info
-    checks.append(
+    checks = [
         Check(OK, f"Python {py.major}.{py.minor}.{py.micro}", "supported: 3.10+")
         if py >= (3, 10)
         else Check(
             FAIL, f"Python {py.major}.{py.minor}", "autoweave needs Python 3.10+", "use Python 3.10 or newer"
-        )
-    )
-    checks.append(check_torch(_version("torch")))
+        ),
+        check_torch(_version("torch")),
+    ]
     wrapt_version = _version("wrapt")
     supported = "supported: >=1.14, not 2.2.0"
     if wrapt_version is None or _tuple(wrapt_version) < (1, 14) or _tuple(wrapt_version) == (2, 2, 0):
@@ -144,14 +144,11 @@ def _hidden(path: str) -> bool:
 
 def check_start_up_file() -> tuple[list[Check], bool]:
     """Is the start-up file where Python reads it? Returns the checks and whether one is usable."""
-    checks = []
-    found = []
-    for directory, kind in site_dirs():
-        for name in START_UP_FILES:
-            path = os.path.join(directory, name)
-            if os.path.isfile(path):
-                found.append((path, kind))
+    dirs = site_dirs()
+    paths = [(os.path.join(directory, name), kind) for directory, kind in dirs for name in START_UP_FILES]
+    found = [(path, kind) for path, kind in paths if os.path.isfile(path)]
     usable = False
+    checks = []
     if sys.flags.no_site:
         checks.append(
             Check(
@@ -163,48 +160,38 @@ def check_start_up_file() -> tuple[list[Check], bool]:
         )
     for path, kind in found:
         if path.endswith(".start") and sys.version_info < (3, 15):
-            checks.append(Check(INFO, f"{path}", "for Python 3.15+ (this Python reads autoweave.pth)"))
-            continue
-        if _hidden(path):
-            checks.append(
-                Check(
-                    FAIL,
-                    f"start-up file is hidden: {path}",
-                    "Python skips hidden .pth files",
-                    f"clear the hidden flag (chflags nohidden {path})",
-                )
+            check = Check(INFO, path, "for Python 3.15+ (this Python reads autoweave.pth)")
+        elif _hidden(path):
+            check = Check(
+                FAIL,
+                f"start-up file is hidden: {path}",
+                "Python skips hidden .pth files",
+                f"clear the hidden flag (chflags nohidden {path})",
             )
-            continue
-        if kind == "user site-packages" and (sys.flags.no_user_site or not site.ENABLE_USER_SITE):
-            checks.append(
-                Check(
-                    FAIL,
-                    f"start-up file in the user site, which is off: {path}",
-                    "PYTHONNOUSERSITE or -s disables it",
-                    f"unset PYTHONNOUSERSITE / drop -s, or pip install {DISTRIBUTION} into the environment",
-                )
+        elif kind == "user site-packages" and (sys.flags.no_user_site or not site.ENABLE_USER_SITE):
+            check = Check(
+                FAIL,
+                f"start-up file in the user site, which is off: {path}",
+                "PYTHONNOUSERSITE or -s disables it",
+                f"unset PYTHONNOUSERSITE / drop -s, or pip install {DISTRIBUTION} into the environment",
             )
-            continue
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-        if "autoweave" not in text:
-            checks.append(
-                Check(
-                    FAIL,
-                    f"start-up file is not autoweave's: {path}",
-                    "",
-                    f"pip install --force-reinstall {DISTRIBUTION}",
-                )
+        elif "autoweave" not in _read(path):
+            check = Check(
+                FAIL,
+                f"start-up file is not autoweave's: {path}",
+                "",
+                f"pip install --force-reinstall {DISTRIBUTION}",
             )
-            continue
-        usable = not sys.flags.no_site
-        checks.append(Check(OK if usable else WARN, f"start-up file: {path}", f"in {kind}; read at start-up"))
+        else:
+            usable = not sys.flags.no_site
+            check = Check(OK if usable else WARN, f"start-up file: {path}", f"in {kind}; read at start-up")
+        checks.append(check)
     if not found:
         checks.append(
             Check(
                 WARN,
                 "no start-up file (autoweave.pth) in any site-packages of this Python",
-                "searched: " + ", ".join(d for d, _ in site_dirs()),
+                "searched: " + ", ".join(d for d, _ in dirs),
                 f"pip install {DISTRIBUTION} into this environment, "
                 "or run with PYTHONPATH=<checkout>/sitecustomize, or use `autoweave-run <command>`",
             )
@@ -218,10 +205,8 @@ def other_distributions(path: list[str] | None = None) -> list[tuple[str, str]]:
     PyPI's ``autoweave`` is an unrelated project with a top-level ``autoweave/``:
     installed beside ours, one overwrites the other's files.
     """
-    from importlib.metadata import distributions
-
     found = {}
-    for dist in distributions(**({} if path is None else {"path": path})):
+    for dist in importlib.metadata.distributions(**({} if path is None else {"path": path})):
         name = dist.metadata.get("Name") or ""
         if name.lower().replace("_", "-") == DISTRIBUTION:
             continue
@@ -260,12 +245,10 @@ def check_sitecustomize() -> tuple[Check, bool]:
         return Check(INFO, "sitecustomize: none on sys.path"), False
     origin = spec.origin
     try:
-        with open(origin, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-        ours = "autoweave" in text and "_chain_shadowed" in text
+        text = _read(origin)
     except OSError:
-        ours = False
-    if ours:
+        text = ""
+    if "autoweave" in text and "_chain_shadowed" in text:
         return Check(
             OK, f"sitecustomize: autoweave's start-up shell {origin}", "it chains the one it shadows"
         ), True
@@ -277,43 +260,32 @@ def check_sitecustomize() -> tuple[Check, bool]:
 def check_settings(environ: dict[str, str] | None = None) -> list[Check]:
     env = dict(os.environ) if environ is None else environ
     settings = _settings.Settings.from_environ(env)
-    checks = []
     raw = env.get(_settings.AUTOWEAVE)
     shown = ", ".join(
-        f"{k}={v!r}"
-        for k, v in settings.as_dict().items()
-        if k not in ("problems",) and v not in (None, [], False)
+        f"{k}={v!r}" for k, v in settings.as_dict().items() if k != "problems" and v not in (None, [], False)
     )
     if settings.enabled:
-        checks.append(Check(OK, f"settings: on ({shown})"))
+        check = Check(OK, f"settings: on ({shown})")
     elif env.get(_settings.AUTOWEAVE_DISABLE, "").strip().lower() in _settings.TRUE_VALUES:
-        checks.append(
-            Check(
-                FAIL,
-                f"{_settings.AUTOWEAVE_DISABLE} is set: autoweave is hard off",
-                "",
-                f"unset {_settings.AUTOWEAVE_DISABLE}",
-            )
-        )
+        disable = _settings.AUTOWEAVE_DISABLE
+        check = Check(FAIL, f"{disable} is set: autoweave is hard off", "", f"unset {disable}")
     else:
-        how = "not set" if raw is None else f"{raw!r}"
-        checks.append(
-            Check(
-                INFO, f"settings: {_settings.AUTOWEAVE} is {how}: off in this shell", f"{shown or 'defaults'}"
-            )
+        how = "not set" if raw is None else repr(raw)
+        check = Check(
+            INFO, f"settings: {_settings.AUTOWEAVE} is {how}: off in this shell", shown or "defaults"
         )
-    for problem in settings.problems:
-        checks.append(Check(WARN, "invalid setting", problem, "fix the value (see README, Switches)"))
-    return checks
+    problems = [
+        Check(WARN, "invalid setting", p, "fix the value (see README, Switches)") for p in settings.problems
+    ]
+    return [check, *problems]
 
 
 def live_check(timeout: float = 180.0, start_up_found: bool = False) -> Check:
     """Start a fresh interpreter with ``AUTOWEAVE=1``: is torch.compile patched there?"""
-    env = {**os.environ, _settings.AUTOWEAVE: "1"}
     try:
         proc = subprocess.run(
             [sys.executable, "-c", _LIVE_CHECK],
-            env=env,
+            env={**os.environ, _settings.AUTOWEAVE: "1"},
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -334,8 +306,7 @@ def live_check(timeout: float = 180.0, start_up_found: bool = False) -> Check:
             "live check: a fresh python with AUTOWEAVE=1 has torch.compile patched",
             f"patches {', '.join(result.get('applied', []))}; autoweave from {result.get('autoweave')}",
         )
-    off_reason = result.get("off_reason")
-    why = result.get("error") or off_reason or "torch.compile is not autoweave's wrapper"
+    why = result.get("error") or result.get("off_reason") or "torch.compile is not autoweave's wrapper"
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("autoweave:")]
     return Check(
         FAIL,
@@ -364,24 +335,19 @@ def _live_fix(result: dict, start_up_found: bool) -> str:
 
 def run(*, live: bool = True) -> tuple[list[Check], bool]:
     """All checks, and whether activation would work."""
-    checks = check_versions()
+    versions = check_versions()
     start_up, usable = check_start_up_file()
-    checks += start_up
     shell, shell_ours = check_sitecustomize()
     if shell_ours:
         for check in start_up:
             if check.title.startswith("no start-up file"):
                 check.status, check.fix = INFO, ""
                 check.detail += "; autoweave's sitecustomize shell starts it instead"
-    checks.append(shell)
-    checks += check_settings()
-    checks += check_other_distributions()
+    checks = [*versions, *start_up, shell, *check_settings(), *check_other_distributions()]
     if live:
         checks.append(live_check(start_up_found=usable or shell_ours))
-    failed = any(c.status == FAIL for c in checks)
-    if not live and not (usable or shell_ours):
-        failed = True
-    return checks, not failed
+    # Without the live check, a start-up file or shell must be seen to call it working.
+    return checks, not any(c.status == FAIL for c in checks) and (live or usable or shell_ours)
 
 
 def format_checks(checks: list[Check], works: bool) -> str:

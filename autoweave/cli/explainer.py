@@ -41,10 +41,7 @@ def load_object(spec: str) -> Any:
     module = _load_module(module_part)
     if any(c in name for c in "()[] "):
         return eval(name, vars(module))  # noqa: S307 - the user's own expression, like python -c
-    obj: Any = module
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return functools.reduce(getattr, name.split("."), module)
 
 
 def _load_module(name: str) -> Any:
@@ -109,11 +106,6 @@ def private_copy(model: nn.Module) -> nn.Module:
         ) from exc
 
 
-def _parameter_count(module: nn.Module) -> int:
-    # numel() works on the meta device: nothing is allocated.
-    return sum(p.numel() for p in module.parameters())
-
-
 def _describe(name: str, container: nn.Module) -> str:
     kinds = sorted({type(child).__name__ for child in container.children()})
     count = len(_compat.modules.children_of(container))
@@ -158,7 +150,8 @@ def blocks_of(model: nn.Module, path: str | None = None) -> tuple[str, nn.Module
     def score(item: tuple[str, nn.Module]) -> tuple[int, bool, int]:
         name, container = item
         repeated = len(container) > 1 and len({type(c) for c in container.children()}) == 1
-        return (_parameter_count(container), repeated, -name.count(".") - bool(name))
+        # numel() works on the meta device: nothing is allocated.
+        return (sum(p.numel() for p in container.parameters()), repeated, -name.count(".") - bool(name))
 
     return max(candidates, key=score)  # max keeps the first of equals: model order
 
@@ -168,16 +161,6 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 
     save = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
     return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _child_names(container: nn.Module, limit: int = 8) -> list[str]:
-    # Distinct last segments of the submodules inside the blocks: what --shard can name.
-    names: dict[str, None] = {}
-    for block in container.children():
-        for name, _ in block.named_modules():
-            if name:
-                names.setdefault(name.rsplit(".", 1)[-1], None)
-    return list(names)[:limit]
 
 
 def simulate(
@@ -200,15 +183,14 @@ def simulate(
         raise ValueError(f"ac={ac!r} not understood (accepted: full, selective, none)")
     prefix, container = blocks_of(model, blocks)
     names = set(DEFAULT_SHARD if shard is None else shard)
-    unmatched = set(names)
-    for block in container.children():
-        for name, _ in block.named_modules():
-            unmatched.discard(name.rsplit(".", 1)[-1])
+    # Distinct last segments of the names inside the blocks, in model order ("" for a block itself).
+    found = dict.fromkeys(n.rsplit(".", 1)[-1] for b in container.children() for n, _ in b.named_modules())
+    unmatched = names - found.keys()
     if shard is not None and unmatched:
         raise BadInput(
             f"--shard: no submodule of the blocks in {_describe(prefix, container)} is named "
             f"{', '.join(sorted(unmatched))}; names found in the blocks: "
-            f"{', '.join(_child_names(container)) or 'none'}. Nothing was planned; pass names from "
+            f"{', '.join([n for n in found if n][:8]) or 'none'}. Nothing was planned; pass names from "
             "that list (--shard '' for no FSDP units)"
         )
     kwargs: dict[str, Any] = {}
