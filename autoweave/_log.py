@@ -51,27 +51,22 @@ def _from_process_group() -> tuple[int, int] | None:
     return _seen
 
 
-def _from_environ(name: str) -> int | None:
-    value = os.environ.get(name, "").strip()
-    return int(value) if value.isdigit() else None
+def _read(index: int, variable: str, default: int) -> int:
+    seen = _from_process_group()
+    if seen is not None:
+        return seen[index]
+    value = os.environ.get(variable, "").strip()
+    return int(value) if value.isdigit() else default
 
 
 def rank() -> int:
     """This process's global rank: the process group's, else ``RANK``, else 0."""
-    seen = _from_process_group()
-    if seen is not None:
-        return seen[0]
-    value = _from_environ("RANK")
-    return 0 if value is None else value
+    return _read(0, "RANK", 0)
 
 
 def world_size() -> int:
     """The job's world size: the process group's, else ``WORLD_SIZE``, else 1."""
-    seen = _from_process_group()
-    if seen is not None:
-        return seen[1]
-    value = _from_environ("WORLD_SIZE")
-    return 1 if value is None else value
+    return _read(1, "WORLD_SIZE", 1)
 
 
 class _RankFilter(logging.Filter):
@@ -103,15 +98,13 @@ class _StderrHandler(logging.StreamHandler):
         pass  # always the current sys.stderr
 
     def emit(self, record: logging.LogRecord) -> None:
-        if getattr(sys.stderr, "closed", False):
-            return
-        super().emit(record)
+        if not getattr(sys.stderr, "closed", False):
+            super().emit(record)
 
     def handleError(self, record: logging.LogRecord) -> None:
         # Nowhere left to report a failed write to; never raise from logging.
-        if getattr(sys.stderr, "closed", False):
-            return
-        super().handleError(record)
+        if not getattr(sys.stderr, "closed", False):
+            super().handleError(record)
 
 
 class LoggerEdit:
@@ -144,12 +137,7 @@ class LoggerEdit:
         before = log.propagate
         log.propagate = value
         if value != before:
-
-            def undo() -> None:
-                if log.propagate == value:
-                    log.propagate = before
-
-            self._push(undo)
+            self._push(lambda: setattr(log, "propagate", before) if log.propagate == value else None)
 
     def add_handler(self, handler: logging.Handler) -> None:
         if handler not in self.log.handlers:
@@ -196,9 +184,8 @@ def edit(name: str = "autoweave") -> LoggerEdit:
     first asked for: its changes are undone together, newest first.
     """
     with _edits_lock:
-        current = _edits.get(name)
-        if current is not None:
-            return current
+        if name in _edits:
+            return _edits[name]
         current = _edits[name] = LoggerEdit(logging.getLogger(name))
 
     def undo() -> None:
@@ -255,9 +242,8 @@ def _attach(level: int | str) -> None:
 
 def configure(level: str | None) -> None:
     """Attach one stderr handler at ``level`` (idempotent); never touches the root logger."""
-    if level is None:
-        return
-    _attach(level.upper())
+    if level is not None:
+        _attach(level.upper())
 
 
 def configure_default() -> None:
@@ -268,9 +254,8 @@ def configure_default() -> None:
     set, so the summary goes through the application's handlers, once.
     """
     name_summary_level()
-    if _handler is not None or rank() != 0:
-        return
-    if requested_level() is not None:  # TORCH_LOGS names autoweave: torch's switch decides
+    # With TORCH_LOGS naming autoweave (``requested_level``), torch's switch decides.
+    if _handler is not None or rank() != 0 or requested_level() is not None:
         return
     if logger.level == logging.NOTSET or logger.level > SUMMARY:
         if logging.getLogger().handlers:
@@ -289,10 +274,6 @@ def requested_level(environ: dict[str, str] | None = None) -> int | None:
     value = (os.environ if environ is None else environ).get(TORCH_LOGS, "")
     level = None
     for item in value.replace(" ", "").strip("'\"").split(","):
-        name = item.lstrip("+-")
-        if name != ALIAS:
-            continue
-        level = (
-            logging.DEBUG if item.startswith("+") else logging.ERROR if item.startswith("-") else logging.INFO
-        )
+        if item.lstrip("+-") == ALIAS:
+            level = {"+": logging.DEBUG, "-": logging.ERROR}.get(item[0], logging.INFO)
     return level
