@@ -92,13 +92,12 @@ def install() -> None:
 
 
 def _register_hooks() -> "Callable[[], None]":
-    if _installs.registered(TORCH):
-        return _adopt_hooks()  # the start-up module's hooks already wait for torch
-    # Registering is plain dictionary work; the hooks themselves carry the
-    # fail-open guard (importing logging here would cost every process).
-    # checkpoint_wrapper's hook first: it must be in place if torch's own import pulls it in.
-    _installs.register(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
-    _installs.register(TORCH, _on_torch_import)
+    if not _installs.registered(TORCH):  # else the start-up module's hooks already wait for torch
+        # Registering is plain dictionary work; the hooks themselves carry the
+        # fail-open guard (importing logging here would cost every process).
+        # checkpoint_wrapper's hook first: it must be in place if torch's own import pulls it in.
+        _installs.register(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
+        _installs.register(TORCH, _on_torch_import)
     return _adopt_hooks()
 
 
@@ -111,10 +110,9 @@ def _adopt_hooks() -> "Callable[[], None]":
 def _unregister_hooks() -> None:
     global _hooks_registered
     _hooks_registered = False
-    for name in (TORCH, CHECKPOINT_WRAPPER_MODULE):
+    for name, own in ((TORCH, _on_torch_import), (CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)):
         _installs.unregister(name, ON_IMPORT)  # the start-up module's
-    _installs.unregister(TORCH, _on_torch_import)
-    _installs.unregister(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
+        _installs.unregister(name, own)
 
 
 def uninstall() -> None:
