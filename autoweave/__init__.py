@@ -76,8 +76,8 @@ def is_enabled() -> bool:
     if not _settings.current().enabled or startup.off_reason() is not None:
         return False  # off_reason: a missing dependency or an unsupported torch, said once, staying off
     if "torch" not in sys.modules:
-        # The start-up file registers its hook without going through _bootstrap.
-        return startup._hooks_registered or _installs.registered("torch")
+        # A hook waits for torch: enable()'s, or the start-up file's (registered without enable()).
+        return _installs.registered("torch")
     from autoweave.dispatch import patches
 
     return bool(patches.applied())

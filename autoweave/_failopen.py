@@ -72,13 +72,8 @@ def guard(
         yield caught
     except Exception as exc:
         caught.append(exc)
-        swallowed(
-            "internal-error",
-            "internal-error",
-            f"failed while {what}: {type(exc).__name__}: {exc}; {fallback}",
-            exc,
-            quiet=quiet,
-        )
+        message = f"failed while {what}: {type(exc).__name__}: {exc}; {fallback}"
+        swallowed("internal-error", "internal-error", message, exc, quiet=quiet)
 
 
 def warn_each(key: str, message: str) -> bool:

@@ -17,7 +17,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from typing import Any
 
 _lock = _thread.RLock()
-_hooks_registered = False
 _problems_reported = False
 # Why autoweave stays off in this process (a missing dependency, an unsupported
 # torch), once found: told once, and the other hook does not try again.
@@ -72,7 +71,7 @@ def on_import(module: "Any") -> None:
         # The start-up module registered these hooks before autoweave loaded: recorded now,
         # with their undo, so that disable() takes them off like any other install.
         _installs.begin()
-        _installs.install(IMPORT_HOOKS, _adopt_hooks)
+        _installs.install(IMPORT_HOOKS, lambda: _unregister_hooks)
         if module.__name__ == TORCH:
             _on_torch_import(module)
         else:
@@ -98,18 +97,10 @@ def _register_hooks() -> "Callable[[], None]":
         # checkpoint_wrapper's hook first: it must be in place if torch's own import pulls it in.
         _installs.register(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
         _installs.register(TORCH, _on_torch_import)
-    return _adopt_hooks()
-
-
-def _adopt_hooks() -> "Callable[[], None]":
-    global _hooks_registered
-    _hooks_registered = True
     return _unregister_hooks
 
 
 def _unregister_hooks() -> None:
-    global _hooks_registered
-    _hooks_registered = False
     for name, own in ((TORCH, _on_torch_import), (CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)):
         _installs.unregister(name, ON_IMPORT)  # the start-up module's
         _installs.unregister(name, own)
@@ -117,13 +108,11 @@ def _unregister_hooks() -> None:
 
 def uninstall() -> None:
     """Undo every install, newest first: hooks, patches, gates, filters, handlers, listeners, callbacks."""
-    global _hooks_registered
     with _lock:
         _installs.uninstall_all()
         # Hooks the start-up module registered in a process that never imported torch
         # (so never loaded autoweave's part of them): nothing else is left to take them off.
         _installs.unregister_all()
-        _hooks_registered = False
 
 
 # How torchrun's launcher runs: the ``torchrun`` script, or ``python -m`` one of these.
