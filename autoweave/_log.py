@@ -120,7 +120,8 @@ class LoggerEdit:
         self._undos: list[Callable[[], None]] = []
         self._lock = threading.Lock()
 
-    def _push(self, undo: Callable[[], None]) -> None:
+    def undo_with(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` too when this edit is undone (each change's own; a module's, forgetting what it attached)."""
         with self._lock:
             self._undos.append(undo)
 
@@ -130,19 +131,19 @@ class LoggerEdit:
         log.setLevel(level)
         after = log.level
         if after != before:
-            self._push(lambda: log.setLevel(before) if log.level == after else None)
+            self.undo_with(lambda: log.setLevel(before) if log.level == after else None)
 
     def set_propagate(self, value: bool) -> None:
         log = self.log
         before = log.propagate
         log.propagate = value
         if value != before:
-            self._push(lambda: setattr(log, "propagate", before) if log.propagate == value else None)
+            self.undo_with(lambda: setattr(log, "propagate", before) if log.propagate == value else None)
 
     def add_handler(self, handler: logging.Handler) -> None:
         if handler not in self.log.handlers:
             self.log.addHandler(handler)
-            self._push(lambda: self.log.removeHandler(handler))
+            self.undo_with(lambda: self.log.removeHandler(handler))
 
     def remove_handler(self, handler: logging.Handler) -> None:
         log = self.log
@@ -155,16 +156,12 @@ class LoggerEdit:
             if handler not in log.handlers:
                 log.handlers.insert(min(index, len(log.handlers)), handler)
 
-        self._push(undo)
+        self.undo_with(undo)
 
     def add_filter(self, log_filter: Any) -> None:
         if log_filter not in self.log.filters:
             self.log.addFilter(log_filter)
-            self._push(lambda: self.log.removeFilter(log_filter))
-
-    def undo_with(self, undo: Callable[[], None]) -> None:
-        """Run ``undo`` too when this edit is undone (a module forgetting what it attached)."""
-        self._push(undo)
+            self.undo_with(lambda: self.log.removeFilter(log_filter))
 
     def undo(self) -> None:
         with self._lock:

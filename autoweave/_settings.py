@@ -190,10 +190,7 @@ _current: Settings | None = None
 
 def current() -> Settings:
     """The settings of this process, read from the environment on first use."""
-    global _current
-    if _current is None:
-        _current = Settings.from_environ()
-    return _current
+    return _current if _current is not None else reload()
 
 
 def reload(new: Settings | None = None) -> Settings:
