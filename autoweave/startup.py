@@ -28,28 +28,27 @@ _usable = False
 DEPENDENCIES = (("wrapt", "wrapt>=1.14,!=2.2.0"),)
 
 
-def _prepare(current: Settings) -> None:
-    """Once per process: the log level asked for, and each settings problem on stderr."""
+def _prepare() -> Settings:
+    """The settings, with the log level asked for applied; once per process, each settings problem on stderr."""
     global _problems_reported
+    current = _settings.current()
     if current.log_level is not None:
         from autoweave import _log
 
         _log.configure(current.log_level)
-    if _problems_reported:
-        return
-    _problems_reported = True
-    if is_launcher() or not _tells_the_job():
-        return  # the same settings reach every rank: told once per job, never by torchrun's launcher
-    for problem in current.problems:
-        _warn(f"[bad-setting] {problem}")
+    if not _problems_reported:
+        _problems_reported = True
+        # The same settings reach every rank: told once per job, never by torchrun's launcher.
+        if not is_launcher() and _tells_the_job():
+            for problem in current.problems:
+                _warn(f"[bad-setting] {problem}")
+    return current
 
 
 def startup() -> None:
     """Entry point of the start-up file (unusual AUTOWEAVE values); never raises."""
     try:
-        current = _settings.current()
-        _prepare(current)
-        if current.enabled:
+        if _prepare().enabled:
             install()
     except BaseException as exc:  # noqa: BLE001 - a .pth must never break Python
         _warn(f"[startup-failed] {type(exc).__name__}: {exc}; continuing without autoweave")
@@ -64,9 +63,7 @@ def on_import(module: "Any") -> None:
     from autoweave._failopen import guard
 
     with guard(f"preparing autoweave as {module.__name__} is imported", fallback="torch runs unpatched"):
-        current = _settings.current()
-        _prepare(current)
-        if not current.enabled:
+        if not _prepare().enabled:
             return
         # The start-up module registered these hooks before autoweave loaded: recorded now,
         # with their undo, so that disable() takes them off like any other install.
@@ -85,7 +82,7 @@ IMPORT_HOOKS = "post-import hooks on torch and checkpoint_wrapper"
 def install() -> None:
     """Patch torch now if it is imported, else when it is; idempotent (``disable()`` undoes it)."""
     with _lock:
-        _prepare(_settings.current())  # the log level asked for, as AUTOWEAVE=1 would
+        _prepare()  # the log level asked for, as AUTOWEAVE=1 would
         _installs.begin()
         _installs.install(IMPORT_HOOKS, _register_hooks)
 
