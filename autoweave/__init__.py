@@ -5,7 +5,10 @@ from code with :func:`enable`. Importing this package imports only the
 standard library; torch-dependent names load on first use.
 """
 
-from autoweave import _settings, startup
+import os
+import sys
+
+from autoweave import _installs, _settings, startup
 from autoweave._settings import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,16 +42,15 @@ def enable() -> bool:
     Returns whether it is on afterwards: ``AUTOWEAVE_DISABLE=1`` still wins, and
     an unsupported torch leaves it off with a warning.
     """
-    from autoweave._settings import AUTOWEAVE_DISABLE, Settings
+    from autoweave._settings import AUTOWEAVE_DISABLE
 
-    settings = _settings.current()
-    forced = Settings.from_environ({**_environ(), "AUTOWEAVE": "1"})
+    forced = _settings.Settings.from_environ({**os.environ, "AUTOWEAVE": "1"})
     if not forced.enabled:
         import logging
 
         logging.getLogger("autoweave").warning("enable() ignored: %s is set for this run", AUTOWEAVE_DISABLE)
         return False
-    if not settings.enabled:
+    if not _settings.current().enabled:
         _settings.reload(forced)
     startup.install()
     return is_enabled()
@@ -65,25 +67,17 @@ def disable() -> None:
     keeps its plan; a ``checkpoint_wrapper`` around a compiled block that has
     not woven is plain torch's wrapper again.
     """
-    from autoweave._settings import Settings
-
     startup.uninstall()
-    _settings.reload(Settings(enabled=False))
+    _settings.reload(_settings.Settings(enabled=False))
 
 
 def is_enabled() -> bool:
     """True when at least one of autoweave's patches is in place (or will be at torch import)."""
-    import sys
-
-    if not _settings.current().enabled:
-        return False
-    if startup.off_reason() is not None:
-        return False  # a missing dependency or an unsupported torch: said once, staying off
+    if not _settings.current().enabled or startup.off_reason() is not None:
+        return False  # off_reason: a missing dependency or an unsupported torch, said once, staying off
     if "torch" not in sys.modules:
-        # The start-up file registers its hook without going through _bootstrap.
-        from autoweave import _installs
-
-        return startup._hooks_registered or _installs.registered("torch")
+        # A hook waits for torch: enable()'s, or the start-up file's (registered without enable()).
+        return _installs.registered("torch")
     from autoweave.dispatch import patches
 
     return bool(patches.applied())
@@ -165,9 +159,3 @@ def __getattr__(name: str) -> "Any":
 
         return AutoweaveError
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _environ() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)

@@ -50,12 +50,11 @@ def swallowed(slug: str, key: str, message: str, exc: BaseException, *, quiet: b
     if _strict():
         raise AutoweaveError(f"autoweave [{slug}]: {message}") from exc
     logger.debug("[%s] %s", slug, message, exc_info=exc)
-    if quiet:
-        return
-    warn_each(
-        key,
-        f"[{slug}] {message}. Set AUTOWEAVE_STRICT=1 to raise, AUTOWEAVE_LOG_LEVEL=debug for the traceback.",
-    )
+    if not quiet:
+        warn_each(
+            key,
+            f"[{slug}] {message}. Set AUTOWEAVE_STRICT=1 to raise, AUTOWEAVE_LOG_LEVEL=debug for the traceback.",
+        )
 
 
 @contextmanager
@@ -73,13 +72,8 @@ def guard(
         yield caught
     except Exception as exc:
         caught.append(exc)
-        swallowed(
-            "internal-error",
-            "internal-error",
-            f"failed while {what}: {type(exc).__name__}: {exc}; {fallback}",
-            exc,
-            quiet=quiet,
-        )
+        message = f"failed while {what}: {type(exc).__name__}: {exc}; {fallback}"
+        swallowed("internal-error", "internal-error", message, exc, quiet=quiet)
 
 
 def warn_each(key: str, message: str) -> bool:
@@ -128,9 +122,6 @@ class FailedFrames:
     def __init__(self) -> None:
         self.errors: list[tuple[BaseException, Any]] = []  # (exception, the frame's code or None)
 
-    def _add(self, exc: BaseException, code: Any) -> None:
-        self.errors.append((exc, code))
-
     def compile_again(self) -> None:
         """Dynamo skips a frame it failed on from then on: have each compiled at its next call."""
         for _, code in self.errors:
@@ -168,7 +159,7 @@ def frames_fail_open() -> Iterator[FailedFrames]:
             # thread's is left to dynamo (the config is process-wide).
             if message.thread not in (thread, None):  # None: logging.logThreads is off
                 return False
-            failed._add(message.error, _compat.dynamo.converting_code())
+            failed.errors.append((message.error, _compat.dynamo.converting_code()))
             return True
 
         with _taps.listening(WontConvert, on_error):

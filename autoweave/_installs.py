@@ -57,12 +57,12 @@ def active() -> bool:
     return _on
 
 
-def install(key: str, apply: Callable[[], Undo | None], undo: Undo | None = None) -> bool:
+def install(key: str, apply: Callable[[], Undo | None]) -> bool:
     """Run ``apply()`` unless ``key`` is installed (or being installed); keep its undo. True if it ran.
 
-    The undo is ``undo``, or else what ``apply`` returns (None: nothing to undo;
-    the key still marks it installed). An ``apply`` that raises installs nothing
-    and must leave nothing behind.
+    The undo is what ``apply`` returns (None: nothing to undo; the key still
+    marks it installed). An ``apply`` that raises installs nothing and must
+    leave nothing behind.
     """
     with _lock:
         if key in _undos or key in _busy:
@@ -76,7 +76,7 @@ def install(key: str, apply: Callable[[], Undo | None], undo: Undo | None = None
         with _lock:
             _busy.discard(key)
     with _lock:
-        _undos[key] = undo if undo is not None else (returned or _nothing)
+        _undos[key] = returned or (lambda: None)
     return True
 
 
@@ -136,10 +136,6 @@ def _run(key: str, undo: Undo) -> None:
         logging.getLogger("autoweave").warning(
             "could not undo %s (%s: %s); it stays in place", key, type(exc).__name__, exc
         )
-
-
-def _nothing() -> None:
-    pass
 
 
 def unregister(name: str, hook: _start.Hook) -> None:

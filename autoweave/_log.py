@@ -51,27 +51,22 @@ def _from_process_group() -> tuple[int, int] | None:
     return _seen
 
 
-def _from_environ(name: str) -> int | None:
-    value = os.environ.get(name, "").strip()
-    return int(value) if value.isdigit() else None
+def _read(index: int, variable: str, default: int) -> int:
+    seen = _from_process_group()
+    if seen is not None:
+        return seen[index]
+    value = os.environ.get(variable, "").strip()
+    return int(value) if value.isdigit() else default
 
 
 def rank() -> int:
     """This process's global rank: the process group's, else ``RANK``, else 0."""
-    seen = _from_process_group()
-    if seen is not None:
-        return seen[0]
-    value = _from_environ("RANK")
-    return 0 if value is None else value
+    return _read(0, "RANK", 0)
 
 
 def world_size() -> int:
     """The job's world size: the process group's, else ``WORLD_SIZE``, else 1."""
-    seen = _from_process_group()
-    if seen is not None:
-        return seen[1]
-    value = _from_environ("WORLD_SIZE")
-    return 1 if value is None else value
+    return _read(1, "WORLD_SIZE", 1)
 
 
 class _RankFilter(logging.Filter):
@@ -103,15 +98,13 @@ class _StderrHandler(logging.StreamHandler):
         pass  # always the current sys.stderr
 
     def emit(self, record: logging.LogRecord) -> None:
-        if getattr(sys.stderr, "closed", False):
-            return
-        super().emit(record)
+        if not getattr(sys.stderr, "closed", False):
+            super().emit(record)
 
     def handleError(self, record: logging.LogRecord) -> None:
         # Nowhere left to report a failed write to; never raise from logging.
-        if getattr(sys.stderr, "closed", False):
-            return
-        super().handleError(record)
+        if not getattr(sys.stderr, "closed", False):
+            super().handleError(record)
 
 
 class LoggerEdit:
@@ -127,7 +120,8 @@ class LoggerEdit:
         self._undos: list[Callable[[], None]] = []
         self._lock = threading.Lock()
 
-    def _push(self, undo: Callable[[], None]) -> None:
+    def undo_with(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` too when this edit is undone (each change's own; a module's, forgetting what it attached)."""
         with self._lock:
             self._undos.append(undo)
 
@@ -137,24 +131,19 @@ class LoggerEdit:
         log.setLevel(level)
         after = log.level
         if after != before:
-            self._push(lambda: log.setLevel(before) if log.level == after else None)
+            self.undo_with(lambda: log.setLevel(before) if log.level == after else None)
 
     def set_propagate(self, value: bool) -> None:
         log = self.log
         before = log.propagate
         log.propagate = value
         if value != before:
-
-            def undo() -> None:
-                if log.propagate == value:
-                    log.propagate = before
-
-            self._push(undo)
+            self.undo_with(lambda: setattr(log, "propagate", before) if log.propagate == value else None)
 
     def add_handler(self, handler: logging.Handler) -> None:
         if handler not in self.log.handlers:
             self.log.addHandler(handler)
-            self._push(lambda: self.log.removeHandler(handler))
+            self.undo_with(lambda: self.log.removeHandler(handler))
 
     def remove_handler(self, handler: logging.Handler) -> None:
         log = self.log
@@ -167,16 +156,12 @@ class LoggerEdit:
             if handler not in log.handlers:
                 log.handlers.insert(min(index, len(log.handlers)), handler)
 
-        self._push(undo)
+        self.undo_with(undo)
 
     def add_filter(self, log_filter: Any) -> None:
         if log_filter not in self.log.filters:
             self.log.addFilter(log_filter)
-            self._push(lambda: self.log.removeFilter(log_filter))
-
-    def undo_with(self, undo: Callable[[], None]) -> None:
-        """Run ``undo`` too when this edit is undone (a module forgetting what it attached)."""
-        self._push(undo)
+            self.undo_with(lambda: self.log.removeFilter(log_filter))
 
     def undo(self) -> None:
         with self._lock:
@@ -196,9 +181,8 @@ def edit(name: str = "autoweave") -> LoggerEdit:
     first asked for: its changes are undone together, newest first.
     """
     with _edits_lock:
-        current = _edits.get(name)
-        if current is not None:
-            return current
+        if name in _edits:
+            return _edits[name]
         current = _edits[name] = LoggerEdit(logging.getLogger(name))
 
     def undo() -> None:
@@ -255,9 +239,8 @@ def _attach(level: int | str) -> None:
 
 def configure(level: str | None) -> None:
     """Attach one stderr handler at ``level`` (idempotent); never touches the root logger."""
-    if level is None:
-        return
-    _attach(level.upper())
+    if level is not None:
+        _attach(level.upper())
 
 
 def configure_default() -> None:
@@ -268,9 +251,8 @@ def configure_default() -> None:
     set, so the summary goes through the application's handlers, once.
     """
     name_summary_level()
-    if _handler is not None or rank() != 0:
-        return
-    if requested_level() is not None:  # TORCH_LOGS names autoweave: torch's switch decides
+    # With TORCH_LOGS naming autoweave (``requested_level``), torch's switch decides.
+    if _handler is not None or rank() != 0 or requested_level() is not None:
         return
     if logger.level == logging.NOTSET or logger.level > SUMMARY:
         if logging.getLogger().handlers:
@@ -289,10 +271,6 @@ def requested_level(environ: dict[str, str] | None = None) -> int | None:
     value = (os.environ if environ is None else environ).get(TORCH_LOGS, "")
     level = None
     for item in value.replace(" ", "").strip("'\"").split(","):
-        name = item.lstrip("+-")
-        if name != ALIAS:
-            continue
-        level = (
-            logging.DEBUG if item.startswith("+") else logging.ERROR if item.startswith("-") else logging.INFO
-        )
+        if item.lstrip("+-") == ALIAS:
+            level = {"+": logging.DEBUG, "-": logging.ERROR}.get(item[0], logging.INFO)
     return level

@@ -127,22 +127,6 @@ class Settings:
         env = os.environ if environ is None else environ
         problems: list[str] = []
 
-        def flag(name: str, *, default: bool) -> bool:
-            raw = env.get(name)
-            if raw is None:
-                return default
-            value = raw.strip().lower()
-            if value in TRUE_VALUES:
-                return True
-            if value in FALSE_VALUES:
-                return False
-            problems.append(
-                f"{name}={raw!r} not understood "
-                f"(accepted: {','.join(TRUE_VALUES + FALSE_VALUES[1:])}); "
-                f"using {'on' if default else 'off'}"
-            )
-            return default
-
         def choice(name: str, accepted: tuple[str, ...], default: str | None) -> str | None:
             raw = env.get(name)
             if raw is None or not raw.strip():
@@ -156,18 +140,18 @@ class Settings:
             )
             return default
 
-        enabled = flag(AUTOWEAVE, default=False)
-        if flag(AUTOWEAVE_DISABLE, default=False):
-            enabled = False
+        def flag(name: str) -> bool:
+            # Off by default: an empty value is off, one not understood is reported and off.
+            return choice(name, TRUE_VALUES + FALSE_VALUES[1:], "off") in TRUE_VALUES
+
+        enabled, disabled = flag(AUTOWEAVE), flag(AUTOWEAVE_DISABLE)  # both read: each may be a problem
 
         patches: set[str] = set()
         for item in env.get(AUTOWEAVE_DISABLED_PATCHES, "").split(","):
             item = item.strip().lower().replace("-", "_")
-            if not item:
-                continue
             if item in PATCH_NAMES:
                 patches.add(item)
-            else:
+            elif item:
                 problems.append(
                     f"{AUTOWEAVE_DISABLED_PATCHES} names unknown patch {item!r} "
                     f"(accepted: {','.join(PATCH_NAMES)}); ignoring it"
@@ -185,10 +169,10 @@ class Settings:
                 report = None
 
         return cls(
-            enabled=enabled,
+            enabled=enabled and not disabled,
             disabled_patches=frozenset(patches),
             log_level=choice(AUTOWEAVE_LOG_LEVEL, LOG_LEVELS, None),
-            strict=flag(AUTOWEAVE_STRICT, default=False),
+            strict=flag(AUTOWEAVE_STRICT),
             mode=choice(AUTOWEAVE_MODE, MODES, "auto") or "auto",
             strategy=choice(AUTOWEAVE_STRATEGY, STRATEGIES, "auto") or "auto",
             problems=tuple(problems),
@@ -206,10 +190,7 @@ _current: Settings | None = None
 
 def current() -> Settings:
     """The settings of this process, read from the environment on first use."""
-    global _current
-    if _current is None:
-        _current = Settings.from_environ()
-    return _current
+    return _current if _current is not None else reload()
 
 
 def reload(new: Settings | None = None) -> Settings:

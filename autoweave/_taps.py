@@ -142,10 +142,9 @@ _taps_lock = threading.Lock()
 def tap(name: str) -> Tap:
     """The tap on dynamo's logger ``name`` (one per name, for the process)."""
     with _taps_lock:
-        found = _taps.get(name)
-        if found is None:
-            found = _taps[name] = Tap(name)
-        return found
+        if name not in _taps:
+            _taps[name] = Tap(name)
+        return _taps[name]
 
 
 class listening(Generic[M]):  # noqa: N801 - used like a function: `with listening(Fallback, seen.append):`

@@ -17,7 +17,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from typing import Any
 
 _lock = _thread.RLock()
-_hooks_registered = False
 _problems_reported = False
 # Why autoweave stays off in this process (a missing dependency, an unsupported
 # torch), once found: told once, and the other hook does not try again.
@@ -29,28 +28,27 @@ _usable = False
 DEPENDENCIES = (("wrapt", "wrapt>=1.14,!=2.2.0"),)
 
 
-def _prepare(current: Settings) -> None:
-    """Once per process: the log level asked for, and each settings problem on stderr."""
+def _prepare() -> Settings:
+    """The settings, with the log level asked for applied; once per process, each settings problem on stderr."""
     global _problems_reported
+    current = _settings.current()
     if current.log_level is not None:
         from autoweave import _log
 
         _log.configure(current.log_level)
-    if _problems_reported:
-        return
-    _problems_reported = True
-    if is_launcher() or not _tells_the_job():
-        return  # the same settings reach every rank: told once per job, never by torchrun's launcher
-    for problem in current.problems:
-        _warn(f"[bad-setting] {problem}")
+    if not _problems_reported:
+        _problems_reported = True
+        # The same settings reach every rank: told once per job, never by torchrun's launcher.
+        if not is_launcher() and _tells_the_job():
+            for problem in current.problems:
+                _warn(f"[bad-setting] {problem}")
+    return current
 
 
 def startup() -> None:
     """Entry point of the start-up file (unusual AUTOWEAVE values); never raises."""
     try:
-        current = _settings.current()
-        _prepare(current)
-        if current.enabled:
+        if _prepare().enabled:
             install()
     except BaseException as exc:  # noqa: BLE001 - a .pth must never break Python
         _warn(f"[startup-failed] {type(exc).__name__}: {exc}; continuing without autoweave")
@@ -65,14 +63,12 @@ def on_import(module: "Any") -> None:
     from autoweave._failopen import guard
 
     with guard(f"preparing autoweave as {module.__name__} is imported", fallback="torch runs unpatched"):
-        current = _settings.current()
-        _prepare(current)
-        if not current.enabled:
+        if not _prepare().enabled:
             return
         # The start-up module registered these hooks before autoweave loaded: recorded now,
         # with their undo, so that disable() takes them off like any other install.
         _installs.begin()
-        _installs.install(IMPORT_HOOKS, _adopt_hooks)
+        _installs.install(IMPORT_HOOKS, lambda: _unregister_hooks)
         if module.__name__ == TORCH:
             _on_torch_import(module)
         else:
@@ -86,46 +82,34 @@ IMPORT_HOOKS = "post-import hooks on torch and checkpoint_wrapper"
 def install() -> None:
     """Patch torch now if it is imported, else when it is; idempotent (``disable()`` undoes it)."""
     with _lock:
-        _prepare(_settings.current())  # the log level asked for, as AUTOWEAVE=1 would
+        _prepare()  # the log level asked for, as AUTOWEAVE=1 would
         _installs.begin()
         _installs.install(IMPORT_HOOKS, _register_hooks)
 
 
 def _register_hooks() -> "Callable[[], None]":
-    if _installs.registered(TORCH):
-        return _adopt_hooks()  # the start-up module's hooks already wait for torch
-    # Registering is plain dictionary work; the hooks themselves carry the
-    # fail-open guard (importing logging here would cost every process).
-    # checkpoint_wrapper's hook first: it must be in place if torch's own import pulls it in.
-    _installs.register(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
-    _installs.register(TORCH, _on_torch_import)
-    return _adopt_hooks()
-
-
-def _adopt_hooks() -> "Callable[[], None]":
-    global _hooks_registered
-    _hooks_registered = True
+    if not _installs.registered(TORCH):  # else the start-up module's hooks already wait for torch
+        # Registering is plain dictionary work; the hooks themselves carry the
+        # fail-open guard (importing logging here would cost every process).
+        # checkpoint_wrapper's hook first: it must be in place if torch's own import pulls it in.
+        _installs.register(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
+        _installs.register(TORCH, _on_torch_import)
     return _unregister_hooks
 
 
 def _unregister_hooks() -> None:
-    global _hooks_registered
-    _hooks_registered = False
-    for name in (TORCH, CHECKPOINT_WRAPPER_MODULE):
+    for name, own in ((TORCH, _on_torch_import), (CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)):
         _installs.unregister(name, ON_IMPORT)  # the start-up module's
-    _installs.unregister(TORCH, _on_torch_import)
-    _installs.unregister(CHECKPOINT_WRAPPER_MODULE, _on_checkpoint_wrapper_import)
+        _installs.unregister(name, own)
 
 
 def uninstall() -> None:
     """Undo every install, newest first: hooks, patches, gates, filters, handlers, listeners, callbacks."""
-    global _hooks_registered
     with _lock:
         _installs.uninstall_all()
         # Hooks the start-up module registered in a process that never imported torch
         # (so never loaded autoweave's part of them): nothing else is left to take them off.
         _installs.unregister_all()
-        _hooks_registered = False
 
 
 # How torchrun's launcher runs: the ``torchrun`` script, or ``python -m`` one of these.
