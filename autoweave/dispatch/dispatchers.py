@@ -35,6 +35,7 @@ The flow, one hop a line, from the user's compile to the report:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -60,8 +61,6 @@ from autoweave.weave import apply
 
 def _compile_function(*args: Any, **kwargs: Any) -> Any:
     """torch.compile for a function: autoweave's wrapper, if on, passes functions straight through."""
-    import torch
-
     return torch.compile(*args, **kwargs)
 
 
@@ -69,14 +68,13 @@ def _compile_function(*args: Any, **kwargs: Any) -> Any:
 
 
 def _fingerprint(target: nn.Module) -> tuple:
-    from autoweave.planning.boundaries import MARK
-
     modules = list(target.named_modules())
     boundaries.watch(m for _, m in modules)  # a registration into any of them moves the signal
     # A block measured holding more as pieces than eager SAC would is planned again (memory);
     # one whose hooks changed too: dynamo never sees a hook added after it traced (tree_watch).
     return tuple(
-        (name, type(m), getattr(m, MARK, None), hoist_reason(m), apply.hooks_key(m)) for name, m in modules
+        (name, type(m), getattr(m, boundaries.MARK, None), hoist_reason(m), apply.hooks_key(m))
+        for name, m in modules
     )
 
 
@@ -99,7 +97,7 @@ class _Dispatcher:
         self,
         target: nn.Module,
         compile_kwargs: dict[str, Any],
-        plain: Callable[[], Callable[..., Any]],
+        plain: Callable[..., Any],
         eager: Callable[..., Any],
     ) -> None:
         self.target = target  # the module handed to compile (an AC wrapper, a block)
@@ -112,8 +110,7 @@ class _Dispatcher:
         self.plan: planner.Plan | None = None  # what runs (PLAIN/WATCHING/TRIAL/WOVEN/GIVEN_UP)
         self._pending: planner.Plan | None = None  # LEARNED: the plan for the next call
         self._applied: apply.Applied | None = None  # TRIAL/WOVEN: what the plan installed
-        self._make_plain = plain
-        self._plain: Callable[..., Any] | None = None
+        self._plain = plain  # what plain torch.compile made of the target
         self._eager = eager
         self._lock = threading.RLock()
         self._generation = -1  # _state.run.generation when the tree was last read
@@ -161,7 +158,6 @@ class _Dispatcher:
         # Strict mode raises here, before anything changed.
         swallowed("internal-error", "internal-error", message, AutoweaveError(f"autoweave: {message}"))
         self._release()
-        self._pending = None
         if self.plan is not None and self.plan.woven:
             self.plan = self.plan.plain_instead(f"autoweave refused the move {move}")
             _events.publish(_events.PLANNED, self, self.plan)
@@ -181,7 +177,6 @@ class _Dispatcher:
             if self.state is State.WOVEN:
                 attr = "_eager"
             elif self.state is State.PLAIN:
-                self._plain_forward()
                 attr = "_plain"
             else:
                 return
@@ -217,9 +212,8 @@ class _Dispatcher:
 
     @classmethod
     def attach_to_optimized(cls, optimized: nn.Module, compile_kwargs: dict[str, Any]) -> None:
-        plain_forward = optimized.forward
         target = _compat.modules.compiled_inner(optimized)
-        dispatcher = cls(target, compile_kwargs, lambda: plain_forward, target.__call__)
+        dispatcher = cls(target, compile_kwargs, optimized.forward, target.__call__)
         dispatcher.holder = weakref.ref(optimized)
         optimized.forward = dispatcher.call
         _instances.attach(optimized, dispatcher)
@@ -233,7 +227,7 @@ class _Dispatcher:
         previous = _instances.dispatcher_of(module)
         if previous is not None:
             previous.retire()  # compiled twice (pipeline stages do): one layer only
-        dispatcher = cls(module, compile_kwargs, lambda: plain, _compat.modules.call_impl(module))
+        dispatcher = cls(module, compile_kwargs, plain, _compat.modules.call_impl(module))
         dispatcher._call_traced = False
         # nn.Module drops _compiled_call_impl when pickled or copied, so a copy
         # is what plain torch makes: an uncompiled module.
@@ -311,22 +305,12 @@ class _Dispatcher:
                     if watching:  # one call is watched, whichever thread gets here first
                         dispatcher._enter(State.PLAIN, Why.WATCHED)
                 if watching:
-                    return dispatcher._watched(dispatcher._plain_forward(), args, kwargs)
-            return dispatcher._plain_forward()(*args, **kwargs)
+                    return dispatcher._watched(dispatcher._plain, args, kwargs)
+            return dispatcher._plain(*args, **kwargs)
 
         # Under an outer compile (the whole model over compiled blocks) dynamo sees what
         # plain torch.compile made, and never traces or converts the dispatcher's frames.
-        return _compat.dynamo.outside_dynamo(call, traced_as=self._plain_forward())
-
-    def _plain_forward(self) -> Callable[..., Any]:
-        """What plain torch.compile made of the target (built at its first use)."""
-        plain = self._plain
-        if plain is None:
-            with self._lock:
-                if self._plain is None:
-                    self._plain = self._make_plain()
-                plain = self._plain
-        return plain
+        return _compat.dynamo.outside_dynamo(call, traced_as=self._plain)
 
     def _watched(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Run a first call listening for dynamo's AC fallback; on one on any rank, re-plan around the break.
@@ -364,11 +348,8 @@ class _Dispatcher:
                 if not located and planner.checkpoint_spec(target) is not None:
                     # No location from dynamo: the wrapped block breaks somewhere; hoist
                     # around it still compiles all but the break.
-                    located = {
-                        id(
-                            _compat.modules.checkpoint_wrapped(target)
-                        ): "a graph break inside (dynamo gave no location)"
-                    }
+                    wrapped = _compat.modules.checkpoint_wrapped(target)
+                    located = {id(wrapped): "a graph break inside (dynamo gave no location)"}
         modules = list(target.modules())
         *flags, fell_back = self._agree([id(m) in located for m in modules] + [breaks is not None])
         if not fell_back:
@@ -395,13 +376,11 @@ class _Dispatcher:
         the same block); dynamo's fallback message then re-plans around it too.
         """
         allowed = self._allowed_breaks()
+        recording = graph_breaks.recording_graph_breaks() if allowed is not None else contextlib.nullcontext()
         with frames_fail_open() as failed:
             try:
-                if allowed is None:
+                with recording as seen:
                     out = self._watched(self._eager, args, kwargs)
-                else:
-                    with graph_breaks.recording_graph_breaks() as seen:
-                        out = self._watched(self._eager, args, kwargs)
             except BaseException:
                 failed.compile_again()  # dynamo skipped them on the model's error: compile them next call
                 raise
@@ -449,8 +428,7 @@ class _Dispatcher:
             return
         with self._lock:
             plan = self.plan
-            self._release()
-            self._pending = None  # a fallback in this call taught a plan: given up with the rest
+            self._release()  # a plan a fallback in this call taught is given up with the rest
             # Plain fullgraph compile from now on: it raises at every call, as plain torch would.
             self._enter(State.GIVEN_UP, Why.FULLGRAPH_BREAK)
             if plan is not None:
@@ -590,18 +568,21 @@ class _Dispatcher:
                 self._enter(State.PLAIN, Why.FAILED)
 
     def _release(self) -> None:
-        """Undo what the current plan installed (before a re-plan, or a fallback)."""
+        """Undo what the current plan installed (before a re-plan, or a fallback).
+
+        A plan a fallback taught for the next call (LEARNED) is dropped with it.
+        """
         with self._lock:
             if self._applied is not None:
                 self._applied.revert()
                 self._applied = None
             self.skip_outer_checkpoint = False
+            self._pending = None
 
     def retire(self) -> None:
         """The module was compiled again in place: undo this plan; the newer dispatcher takes over."""
         with self._lock:
             self._release()
-            self._pending = None
             self._enter(State.PLAIN, Why.RELEASED)
 
 
