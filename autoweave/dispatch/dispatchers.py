@@ -174,13 +174,8 @@ class _Dispatcher:
         observer at a time; in any other state than PLAIN or WOVEN, none.
         """
         with self._lock:
-            if self.state is State.WOVEN:
-                attr = "_eager"
-            elif self.state is State.PLAIN:
-                attr = "_plain"
-            else:
-                return
-            if attr in self._observed:
+            attr = {State.WOVEN: "_eager", State.PLAIN: "_plain"}.get(self.state)
+            if attr is None or attr in self._observed:
                 return
             call = getattr(self, attr)
             left = [skip]
@@ -287,26 +282,25 @@ class _Dispatcher:
         dynamo out of it (``_compat.dynamo.outside_dynamo``) reads the eval-frame callback
         and, called from eager code, swaps nothing.
         """
-        dispatcher = self
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not dispatcher.ensure_decided() and dispatcher._called and _run.summary_pending:
+            if not self.ensure_decided() and self._called and _run.summary_pending:
                 # Called again: every block has planned; the plan summary is logged now.
-                _events.publish(_events.CALLED_AGAIN, dispatcher)
-            dispatcher._called = True
-            state = dispatcher.state
+                _events.publish(_events.CALLED_AGAIN, self)
+            self._called = True
+            state = self.state
             if state is State.WOVEN:
-                return dispatcher._eager(*args, **kwargs)
+                return self._eager(*args, **kwargs)
             if state is State.TRIAL:
-                return dispatcher._first_woven_call(args, kwargs)
+                return self._first_woven_call(args, kwargs)
             if state is State.WATCHING:
-                with dispatcher._lock:
-                    watching = dispatcher.state is State.WATCHING
+                with self._lock:
+                    watching = self.state is State.WATCHING
                     if watching:  # one call is watched, whichever thread gets here first
-                        dispatcher._enter(State.PLAIN, Why.WATCHED)
+                        self._enter(State.PLAIN, Why.WATCHED)
                 if watching:
-                    return dispatcher._watched(dispatcher._plain, args, kwargs)
-            return dispatcher._plain(*args, **kwargs)
+                    return self._watched(self._plain, args, kwargs)
+            return self._plain(*args, **kwargs)
 
         # Under an outer compile (the whole model over compiled blocks) dynamo sees what
         # plain torch.compile made, and never traces or converts the dispatcher's frames.
@@ -455,7 +449,7 @@ class _Dispatcher:
             return
         mode, _ = _settings.mode_and_strategy(self.target)  # ``set_mode`` first, then the settings
         with guard(f"planning {type(self.target).__name__}") as failed:
-            self._apply(self._plan(self._learned), why)
+            self._apply(plan_inputs.plan(self.request()), why)
         if failed:
             self._release()
             self.plan = None
@@ -482,7 +476,9 @@ class _Dispatcher:
         """What this target's compile asks the planner for (``autoweave.plan()`` asks the same).
 
         ``taught``: what a fallback taught (``breaks``, a forced mode/strategy);
-        by default, what the last one did.
+        by default, what the last one did. ``plan_inputs.plan`` answers it, one
+        assembly whatever asks (first call or re-plan): what this process learned
+        since (other blocks' breaks, memory verdicts) joins what was taught.
         """
         return plan_inputs.Request(
             self.target,
@@ -491,14 +487,6 @@ class _Dispatcher:
             call_traced=self._call_traced,
             taught=MappingProxyType(dict(self._learned if taught is None else taught)),
         )
-
-    def _plan(self, taught: dict[str, Any]) -> planner.Plan:
-        """The planner's answer for this target now: one assembly, whatever asks (first call or re-plan).
-
-        What this process learned since (other blocks' breaks, memory verdicts)
-        joins what a fallback taught this block (``plan_inputs``).
-        """
-        return plan_inputs.plan(self.request(taught))
 
     def _apply(self, plan: planner.Plan, why: Why) -> None:
         """Install ``plan`` and enter TRIAL (it weaves) or PLAIN (it does not)."""
@@ -524,12 +512,12 @@ class _Dispatcher:
             target = planner.unwrap(self.target)
             learn_breaks(target, located)
             learned: dict[str, Any] = {"breaks": {**self._learned.get("breaks", {}), **located}}
-            plan = self._plan(learned)
+            plan = plan_inputs.plan(self.request(learned))
             if not plan.woven:
                 # The checkpoint is in code autoweave could not read (the target's
                 # own forward): weave its children one by one, around that code.
                 learned.update(mode="always", children_one_by_one=True)
-                plan = self._plan(learned)
+                plan = plan_inputs.plan(self.request(learned))
             self._learned = learned
             logger.info(
                 "%s: dynamo ran a checkpointed region eager at the first call (%s); woven from the next call on",
@@ -587,14 +575,13 @@ class _Dispatcher:
 
 
 def _forget_traced_code(target: nn.Module) -> None:
-    codes = set()
-    for module in target.modules():
-        for cls in type(module).__mro__:
-            for name in ("forward", "__call__"):
-                fn = cls.__dict__.get(name)
-                code = getattr(fn, "__code__", None)
-                if code is not None and fn is not nn.Module.__call__:
-                    codes.add(code)
+    codes = {
+        code
+        for module in target.modules()
+        for cls in type(module).__mro__
+        for fn in (cls.__dict__.get("forward"), cls.__dict__.get("__call__"))
+        if (code := getattr(fn, "__code__", None)) is not None and fn is not nn.Module.__call__
+    }
     for code in codes:
         _compat.dynamo.reset_code(code)
 

@@ -55,8 +55,6 @@ def _ours_in_chain(current: Any) -> AutoweaveWrapper | None:
         if isinstance(current, AutoweaveWrapper):
             return current
         current = getattr(current, "__wrapped__", None)
-        if current is None:
-            return None
     return None
 
 
