@@ -455,22 +455,19 @@ class _Dispatcher:
             self.plan = None
             self._enter(State.PLAIN, Why.FAILED)
             return
-        if self.state is State.PLAIN and self._watches(mode):
-            self._enter(State.WATCHING, why)
-
-    def _watches(self, mode: str) -> bool:
         # Compiled plain, but a checkpoint is traced: any graph break under it
         # (a boundary whose checkpoint hides in code, a data-dependent op, a
         # print) would make dynamo run it eager. Watch the first call for
         # dynamo's fallback message and weave around the break if it appears.
-        return (
-            self.plan is not None
+        if (
+            self.state is State.PLAIN
+            and self.plan is not None
             and mode == "auto"
             and (
-                bool(self.plan.boundaries)
-                or planner.traces_checkpoint(self.target, call_traced=self._call_traced)
+                self.plan.boundaries or planner.traces_checkpoint(self.target, call_traced=self._call_traced)
             )
-        )
+        ):
+            self._enter(State.WATCHING, why)
 
     def request(self, taught: dict[str, Any] | None = None) -> plan_inputs.Request:
         """What this target's compile asks the planner for (``autoweave.plan()`` asks the same).
