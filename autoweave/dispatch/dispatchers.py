@@ -35,6 +35,7 @@ The flow, one hop a line, from the user's compile to the report:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -60,8 +61,6 @@ from autoweave.weave import apply
 
 def _compile_function(*args: Any, **kwargs: Any) -> Any:
     """torch.compile for a function: autoweave's wrapper, if on, passes functions straight through."""
-    import torch
-
     return torch.compile(*args, **kwargs)
 
 
@@ -69,14 +68,13 @@ def _compile_function(*args: Any, **kwargs: Any) -> Any:
 
 
 def _fingerprint(target: nn.Module) -> tuple:
-    from autoweave.planning.boundaries import MARK
-
     modules = list(target.named_modules())
     boundaries.watch(m for _, m in modules)  # a registration into any of them moves the signal
     # A block measured holding more as pieces than eager SAC would is planned again (memory);
     # one whose hooks changed too: dynamo never sees a hook added after it traced (tree_watch).
     return tuple(
-        (name, type(m), getattr(m, MARK, None), hoist_reason(m), apply.hooks_key(m)) for name, m in modules
+        (name, type(m), getattr(m, boundaries.MARK, None), hoist_reason(m), apply.hooks_key(m))
+        for name, m in modules
     )
 
 
@@ -99,7 +97,7 @@ class _Dispatcher:
         self,
         target: nn.Module,
         compile_kwargs: dict[str, Any],
-        plain: Callable[[], Callable[..., Any]],
+        plain: Callable[..., Any],
         eager: Callable[..., Any],
     ) -> None:
         self.target = target  # the module handed to compile (an AC wrapper, a block)
@@ -112,8 +110,7 @@ class _Dispatcher:
         self.plan: planner.Plan | None = None  # what runs (PLAIN/WATCHING/TRIAL/WOVEN/GIVEN_UP)
         self._pending: planner.Plan | None = None  # LEARNED: the plan for the next call
         self._applied: apply.Applied | None = None  # TRIAL/WOVEN: what the plan installed
-        self._make_plain = plain
-        self._plain: Callable[..., Any] | None = None
+        self._plain = plain  # what plain torch.compile made of the target
         self._eager = eager
         self._lock = threading.RLock()
         self._generation = -1  # _state.run.generation when the tree was last read
@@ -161,7 +158,6 @@ class _Dispatcher:
         # Strict mode raises here, before anything changed.
         swallowed("internal-error", "internal-error", message, AutoweaveError(f"autoweave: {message}"))
         self._release()
-        self._pending = None
         if self.plan is not None and self.plan.woven:
             self.plan = self.plan.plain_instead(f"autoweave refused the move {move}")
             _events.publish(_events.PLANNED, self, self.plan)
@@ -178,14 +174,8 @@ class _Dispatcher:
         observer at a time; in any other state than PLAIN or WOVEN, none.
         """
         with self._lock:
-            if self.state is State.WOVEN:
-                attr = "_eager"
-            elif self.state is State.PLAIN:
-                self._plain_forward()
-                attr = "_plain"
-            else:
-                return
-            if attr in self._observed:
+            attr = {State.WOVEN: "_eager", State.PLAIN: "_plain"}.get(self.state)
+            if attr is None or attr in self._observed:
                 return
             call = getattr(self, attr)
             left = [skip]
@@ -217,9 +207,8 @@ class _Dispatcher:
 
     @classmethod
     def attach_to_optimized(cls, optimized: nn.Module, compile_kwargs: dict[str, Any]) -> None:
-        plain_forward = optimized.forward
         target = _compat.modules.compiled_inner(optimized)
-        dispatcher = cls(target, compile_kwargs, lambda: plain_forward, target.__call__)
+        dispatcher = cls(target, compile_kwargs, optimized.forward, target.__call__)
         dispatcher.holder = weakref.ref(optimized)
         optimized.forward = dispatcher.call
         _instances.attach(optimized, dispatcher)
@@ -233,7 +222,7 @@ class _Dispatcher:
         previous = _instances.dispatcher_of(module)
         if previous is not None:
             previous.retire()  # compiled twice (pipeline stages do): one layer only
-        dispatcher = cls(module, compile_kwargs, lambda: plain, _compat.modules.call_impl(module))
+        dispatcher = cls(module, compile_kwargs, plain, _compat.modules.call_impl(module))
         dispatcher._call_traced = False
         # nn.Module drops _compiled_call_impl when pickled or copied, so a copy
         # is what plain torch makes: an uncompiled module.
@@ -293,40 +282,29 @@ class _Dispatcher:
         dynamo out of it (``_compat.dynamo.outside_dynamo``) reads the eval-frame callback
         and, called from eager code, swaps nothing.
         """
-        dispatcher = self
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not dispatcher.ensure_decided() and dispatcher._called and _run.summary_pending:
+            if not self.ensure_decided() and self._called and _run.summary_pending:
                 # Called again: every block has planned; the plan summary is logged now.
-                _events.publish(_events.CALLED_AGAIN, dispatcher)
-            dispatcher._called = True
-            state = dispatcher.state
+                _events.publish(_events.CALLED_AGAIN, self)
+            self._called = True
+            state = self.state
             if state is State.WOVEN:
-                return dispatcher._eager(*args, **kwargs)
+                return self._eager(*args, **kwargs)
             if state is State.TRIAL:
-                return dispatcher._first_woven_call(args, kwargs)
+                return self._first_woven_call(args, kwargs)
             if state is State.WATCHING:
-                with dispatcher._lock:
-                    watching = dispatcher.state is State.WATCHING
+                with self._lock:
+                    watching = self.state is State.WATCHING
                     if watching:  # one call is watched, whichever thread gets here first
-                        dispatcher._enter(State.PLAIN, Why.WATCHED)
+                        self._enter(State.PLAIN, Why.WATCHED)
                 if watching:
-                    return dispatcher._watched(dispatcher._plain_forward(), args, kwargs)
-            return dispatcher._plain_forward()(*args, **kwargs)
+                    return self._watched(self._plain, args, kwargs)
+            return self._plain(*args, **kwargs)
 
         # Under an outer compile (the whole model over compiled blocks) dynamo sees what
         # plain torch.compile made, and never traces or converts the dispatcher's frames.
-        return _compat.dynamo.outside_dynamo(call, traced_as=self._plain_forward())
-
-    def _plain_forward(self) -> Callable[..., Any]:
-        """What plain torch.compile made of the target (built at its first use)."""
-        plain = self._plain
-        if plain is None:
-            with self._lock:
-                if self._plain is None:
-                    self._plain = self._make_plain()
-                plain = self._plain
-        return plain
+        return _compat.dynamo.outside_dynamo(call, traced_as=self._plain)
 
     def _watched(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Run a first call listening for dynamo's AC fallback; on one on any rank, re-plan around the break.
@@ -364,11 +342,8 @@ class _Dispatcher:
                 if not located and planner.checkpoint_spec(target) is not None:
                     # No location from dynamo: the wrapped block breaks somewhere; hoist
                     # around it still compiles all but the break.
-                    located = {
-                        id(
-                            _compat.modules.checkpoint_wrapped(target)
-                        ): "a graph break inside (dynamo gave no location)"
-                    }
+                    wrapped = _compat.modules.checkpoint_wrapped(target)
+                    located = {id(wrapped): "a graph break inside (dynamo gave no location)"}
         modules = list(target.modules())
         *flags, fell_back = self._agree([id(m) in located for m in modules] + [breaks is not None])
         if not fell_back:
@@ -395,13 +370,11 @@ class _Dispatcher:
         the same block); dynamo's fallback message then re-plans around it too.
         """
         allowed = self._allowed_breaks()
+        recording = graph_breaks.recording_graph_breaks() if allowed is not None else contextlib.nullcontext()
         with frames_fail_open() as failed:
             try:
-                if allowed is None:
+                with recording as seen:
                     out = self._watched(self._eager, args, kwargs)
-                else:
-                    with graph_breaks.recording_graph_breaks() as seen:
-                        out = self._watched(self._eager, args, kwargs)
             except BaseException:
                 failed.compile_again()  # dynamo skipped them on the model's error: compile them next call
                 raise
@@ -449,8 +422,7 @@ class _Dispatcher:
             return
         with self._lock:
             plan = self.plan
-            self._release()
-            self._pending = None  # a fallback in this call taught a plan: given up with the rest
+            self._release()  # a plan a fallback in this call taught is given up with the rest
             # Plain fullgraph compile from now on: it raises at every call, as plain torch would.
             self._enter(State.GIVEN_UP, Why.FULLGRAPH_BREAK)
             if plan is not None:
@@ -477,34 +449,33 @@ class _Dispatcher:
             return
         mode, _ = _settings.mode_and_strategy(self.target)  # ``set_mode`` first, then the settings
         with guard(f"planning {type(self.target).__name__}") as failed:
-            self._apply(self._plan(self._learned), why)
+            self._apply(plan_inputs.plan(self.request()), why)
         if failed:
             self._release()
             self.plan = None
             self._enter(State.PLAIN, Why.FAILED)
             return
-        if self.state is State.PLAIN and self._watches(mode):
-            self._enter(State.WATCHING, why)
-
-    def _watches(self, mode: str) -> bool:
         # Compiled plain, but a checkpoint is traced: any graph break under it
         # (a boundary whose checkpoint hides in code, a data-dependent op, a
         # print) would make dynamo run it eager. Watch the first call for
         # dynamo's fallback message and weave around the break if it appears.
-        return (
-            self.plan is not None
+        if (
+            self.state is State.PLAIN
+            and self.plan is not None
             and mode == "auto"
             and (
-                bool(self.plan.boundaries)
-                or planner.traces_checkpoint(self.target, call_traced=self._call_traced)
+                self.plan.boundaries or planner.traces_checkpoint(self.target, call_traced=self._call_traced)
             )
-        )
+        ):
+            self._enter(State.WATCHING, why)
 
     def request(self, taught: dict[str, Any] | None = None) -> plan_inputs.Request:
         """What this target's compile asks the planner for (``autoweave.plan()`` asks the same).
 
         ``taught``: what a fallback taught (``breaks``, a forced mode/strategy);
-        by default, what the last one did.
+        by default, what the last one did. ``plan_inputs.plan`` answers it, one
+        assembly whatever asks (first call or re-plan): what this process learned
+        since (other blocks' breaks, memory verdicts) joins what was taught.
         """
         return plan_inputs.Request(
             self.target,
@@ -513,14 +484,6 @@ class _Dispatcher:
             call_traced=self._call_traced,
             taught=MappingProxyType(dict(self._learned if taught is None else taught)),
         )
-
-    def _plan(self, taught: dict[str, Any]) -> planner.Plan:
-        """The planner's answer for this target now: one assembly, whatever asks (first call or re-plan).
-
-        What this process learned since (other blocks' breaks, memory verdicts)
-        joins what a fallback taught this block (``plan_inputs``).
-        """
-        return plan_inputs.plan(self.request(taught))
 
     def _apply(self, plan: planner.Plan, why: Why) -> None:
         """Install ``plan`` and enter TRIAL (it weaves) or PLAIN (it does not)."""
@@ -546,12 +509,12 @@ class _Dispatcher:
             target = planner.unwrap(self.target)
             learn_breaks(target, located)
             learned: dict[str, Any] = {"breaks": {**self._learned.get("breaks", {}), **located}}
-            plan = self._plan(learned)
+            plan = plan_inputs.plan(self.request(learned))
             if not plan.woven:
                 # The checkpoint is in code autoweave could not read (the target's
                 # own forward): weave its children one by one, around that code.
                 learned.update(mode="always", children_one_by_one=True)
-                plan = self._plan(learned)
+                plan = plan_inputs.plan(self.request(learned))
             self._learned = learned
             logger.info(
                 "%s: dynamo ran a checkpointed region eager at the first call (%s); woven from the next call on",
@@ -590,30 +553,32 @@ class _Dispatcher:
                 self._enter(State.PLAIN, Why.FAILED)
 
     def _release(self) -> None:
-        """Undo what the current plan installed (before a re-plan, or a fallback)."""
+        """Undo what the current plan installed (before a re-plan, or a fallback).
+
+        A plan a fallback taught for the next call (LEARNED) is dropped with it.
+        """
         with self._lock:
             if self._applied is not None:
                 self._applied.revert()
                 self._applied = None
             self.skip_outer_checkpoint = False
+            self._pending = None
 
     def retire(self) -> None:
         """The module was compiled again in place: undo this plan; the newer dispatcher takes over."""
         with self._lock:
             self._release()
-            self._pending = None
             self._enter(State.PLAIN, Why.RELEASED)
 
 
 def _forget_traced_code(target: nn.Module) -> None:
-    codes = set()
-    for module in target.modules():
-        for cls in type(module).__mro__:
-            for name in ("forward", "__call__"):
-                fn = cls.__dict__.get(name)
-                code = getattr(fn, "__code__", None)
-                if code is not None and fn is not nn.Module.__call__:
-                    codes.add(code)
+    codes = {
+        code
+        for module in target.modules()
+        for cls in type(module).__mro__
+        for fn in (cls.__dict__.get("forward"), cls.__dict__.get("__call__"))
+        if (code := getattr(fn, "__code__", None)) is not None and fn is not nn.Module.__call__
+    }
     for code in codes:
         _compat.dynamo.reset_code(code)
 

@@ -55,8 +55,6 @@ def _ours_in_chain(current: Any) -> AutoweaveWrapper | None:
         if isinstance(current, AutoweaveWrapper):
             return current
         current = getattr(current, "__wrapped__", None)
-        if current is None:
-            return None
     return None
 
 
@@ -74,17 +72,15 @@ def _apply(name: str, owner: Any, attribute: str, route: Callable[..., Any]) -> 
             current = _current(owner, attribute)
             if current is None:
                 raise AttributeError(f"{owner!r} has no attribute {attribute!r} to patch")
-            buried = _ours_in_chain(current)
-            if buried is not None:
-                # Never two layers: a wrapper left under someone else's is switched back on.
-                _active.add(key)
-                return lambda: _revert(key)
-            wrapper = AutoweaveWrapper(current, route, enabled=lambda: key in _active)
-            setattr(owner, attribute, wrapper)
-            _applied[key] = _Patch(name, owner, attribute, current, wrapper)
+            # Switched on before it goes on top; never two layers: a wrapper
+            # left under someone else's is switched back on.
             _active.add(key)
-            fresh.append(True)
-            logger.debug("patched %s", _label(owner, attribute))
+            if _ours_in_chain(current) is None:
+                wrapper = AutoweaveWrapper(current, route, enabled=lambda: key in _active)
+                setattr(owner, attribute, wrapper)
+                _applied[key] = _Patch(name, owner, attribute, current, wrapper)
+                fresh.append(True)
+                logger.debug("patched %s", _label(owner, attribute))
             return lambda: _revert(key)
 
     _installs.install(f"patch {_label(owner, attribute)}", apply)

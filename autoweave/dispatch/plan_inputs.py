@@ -71,12 +71,12 @@ weave (torchtitan's, whose compile has no break) are never probed.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from autoweave import _compat, _instances, _settings
@@ -113,7 +113,7 @@ def request_of(module: nn.Module, *, fullgraph: bool | None = None) -> Request:
     if dispatcher is None:
         return Request(module, fullgraph=bool(fullgraph))
     request = dispatcher.request()
-    return request if fullgraph is None else dataclasses.replace(request, fullgraph=fullgraph)
+    return request if fullgraph is None else replace(request, fullgraph=fullgraph)
 
 
 def plan(request: Request, *, mode: str | None = None, strategy: str | None = None) -> planner.Plan:
@@ -194,18 +194,13 @@ def groups_running(module: Any) -> list[Any]:
 
 
 def _device(group: Any) -> Any:
-    import torch
     import torch.distributed as dist
 
     backend = str(dist.get_backend(group))
-    if "gloo" in backend or "mpi" in backend:
+    accelerator = None if "gloo" in backend or "mpi" in backend else torch.accelerator.current_accelerator()
+    if accelerator is None:
         return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
-    return (
-        torch.device("cpu")
-        if accelerator is None
-        else torch.device(accelerator.type, torch.accelerator.current_device_index())
-    )
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def any_rank(module: Any, flags: Sequence[bool]) -> list[bool]:
@@ -214,7 +209,6 @@ def any_rank(module: Any, flags: Sequence[bool]) -> list[bool]:
     Every rank that runs ``module`` must call this at the same point with as
     many flags; with no group to agree with, the flags come back as they are.
     """
-    import torch
     import torch.distributed as dist
 
     agreed = [bool(f) for f in flags]
@@ -284,10 +278,8 @@ def untraceable(
     for module in modules:
         if not isinstance(module, wrapper_cls):
             continue
-        context_fn = checkpoint_calls.context_fn_of(getattr(module, "checkpoint_fn", None))
-        if context_fn is None:
-            continue
-        why = probe(context_fn)
+        # probe: None for a wrapper without a context_fn
+        why = probe(checkpoint_calls.context_fn_of(getattr(module, "checkpoint_fn", None)))
         if why is not None:
             found[id(module.checkpoint_fn)] = why
     return found

@@ -13,7 +13,7 @@ import contextvars
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch.nn as nn
@@ -73,8 +73,7 @@ def route_module_compile(wrapped: Callable[..., Any], instance: Any, args: tuple
     )
     with guard(f"preparing the weave for {type(instance).__name__}") as failed:
         dispatcher = _Dispatcher.attach_in_place(instance, compile_kwargs, plain)
-        wrapper = _wrapper_of(instance)
-        if wrapper is not None and dispatcher is not None:
+        if (wrapper := _wrapper_of(instance)) is not None:
             # The block inside a checkpoint wrapper, compiled in place after the
             # wrapper was built (NeMo Automodel's per-layer compile): the same AC
             # outside the compile as checkpoint_wrapper(torch.compile(block)).
@@ -102,10 +101,8 @@ def route_checkpoint_wrapper(wrapped: Callable[..., Any], instance: Any, args: t
         with guard("watching the AC around a compiled module"):
             _gate_outer_ac(dispatcher, wrapper)
     elif isinstance(target, nn.Module) and isinstance(wrapper, nn.Module):
-        try:
+        with suppress(TypeError):
             _wrappers[target] = weakref.ref(wrapper)  # if the block is compiled in place later
-        except TypeError:
-            pass
     return wrapper
 
 
@@ -117,12 +114,8 @@ def _wrapper_of(block: nn.Module) -> nn.Module | None:
     """The checkpoint wrapper that still wraps ``block`` (None: none, or it was unwrapped since)."""
     ref = _wrappers.get(block)
     wrapper = ref() if ref is not None else None
-    if (
-        wrapper is None
-        or _compat.modules.children_of(wrapper).get(_compat.modules.CHECKPOINT_WRAPPED) is not block
-    ):
-        return None
-    return wrapper
+    children = _compat.modules.children_of(wrapper) if wrapper is not None else {}
+    return wrapper if children.get(_compat.modules.CHECKPOINT_WRAPPED) is block else None
 
 
 def _gate_outer_ac(dispatcher: _Dispatcher, wrapper: nn.Module) -> None:
@@ -186,7 +179,6 @@ def _ungate_unwoven() -> None:
 def _compile_kwargs(args: tuple, kwargs: dict) -> dict[str, Any]:
     # torch.compile's options are keyword-only after ``model``; keep any
     # positional extras out of the region calls rather than guess their names.
-    out = {k: v for k, v in kwargs.items() if k != "model"}
     if args:
         logger.debug("ignoring positional compile arguments %r", args)
-    return out
+    return {k: v for k, v in kwargs.items() if k != "model"}

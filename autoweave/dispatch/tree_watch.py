@@ -150,8 +150,6 @@ def _add_registration_hook() -> Callable[[], None] | None:
 
 
 def _hook_import(name: str) -> Callable[[], None]:
-    from autoweave import _installs
-
     _installs.register(name, _watch_fully_shard)
     return lambda: _installs.unregister(name, _watch_fully_shard)
 
@@ -165,20 +163,17 @@ def _watch_fully_shard(state_module: Any) -> None:
     # Both FSDP2 module paths may name one class: one patch.
     _installs.install(
         f"patch {state_cls.__module__}.FSDPState.init (fully_shard watch)",
-        lambda: _wrap_init(state_cls, original),
+        lambda: _patch(state_cls, "init", _watch_init, original),
     )
 
 
-def _wrap_init(state_cls: type, original: Any) -> Callable[[], None]:
-    def wrap(original: Any, on: list[bool]) -> Any:
-        def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if on[0]:
-                bump()
-            return original(self, *args, **kwargs)
+def _watch_init(original: Any, on: list[bool]) -> Any:
+    def init(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if on[0]:
+            bump()
+        return original(self, *args, **kwargs)
 
-        return init
-
-    return _patch(state_cls, "init", wrap, original)
+    return init
 
 
 def _patch(
