@@ -261,12 +261,7 @@ def _region_forward(
 
     A region compiled as pieces appends its ``CheckpointPieces`` to ``pieces``.
     """
-    checkpoint_fn = None if decision.checkpoint is None else decision.checkpoint.checkpoint_fn
-    # Pieces: not traced, the checkpoint is applied by the region's backend to each
-    # graph piece dynamo cuts the region into (see ``pieces``).
-    pieces_fn = checkpoint_fn if decision.pieces else None
-    if pieces_fn is not None:
-        checkpoint_fn = None
+    checkpoint_fn, pieces_fn = _checkpoint_fns(decision)
     key = _region_key(module, decision, kwargs)
     own = own_forward(module)
     if own is not None:
@@ -280,26 +275,37 @@ def _region_forward(
         else:
             label = _label(decision.path, type(module))
             region_kw, backend = _backend_kwargs(kwargs, label, pieces_fn)
-        _pieces_of_region(backend, pieces)
         region = _private_region(own, checkpoint_fn, label)
-        return _compat.dynamo.lookups_in_order(
+        region = _compat.dynamo.lookups_in_order(
             compile_fn(region, **region_kw),
             _compat.checkpoints.as_recompute_sees,
             **_at_limit(region, label, region_kw),
-        ), label
-    # One compiled region, and one backend, per kind: identical blocks share both,
-    # until dynamo guards on a number that differs between them (``shared_kinds``).
-    # The kind outlives its blocks (the run's table, dynamo's backend cache): it is
-    # built from the block's class, never the block, so a dropped model is freed.
-    if key not in run.shared_regions:
-        run.shared_regions[key] = KindRegion(
-            functools.partial(_build_kind_region, key, decision, type(module), compile_fn, kwargs, pieces_fn)
         )
-    kind = run.shared_regions[key]
-    _, _, backend, label = kind.base
-    # Every block of the kind measures through the one backend its graphs were cut by.
-    _pieces_of_region(backend, pieces)
-    return kind, label
+    else:
+        # One compiled region, and one backend, per kind: identical blocks share both,
+        # until dynamo guards on a number that differs between them (``shared_kinds``).
+        # The kind outlives its blocks (the run's table, dynamo's backend cache): it is
+        # built from the block's class, never the block, so a dropped model is freed.
+        if key not in run.shared_regions:
+            run.shared_regions[key] = KindRegion(
+                functools.partial(_build_kind_region, key, decision, type(module), compile_fn, kwargs)
+            )
+        region = run.shared_regions[key]
+        _, _, backend, label = region.base
+    # Every block of a kind measures through the one backend its graphs were cut by.
+    if backend is not None and backend.pieces is not None and pieces is not None:
+        pieces.append(backend.pieces)
+    return region, label
+
+
+def _checkpoint_fns(decision: Any) -> tuple[Any, Any]:
+    """The region's traced ``checkpoint_fn`` and its ``pieces_fn``: one of them, or neither, is None.
+
+    Pieces: not traced, the checkpoint is applied by the region's backend to each
+    graph piece dynamo cuts the region into (see ``pieces``).
+    """
+    checkpoint_fn = None if decision.checkpoint is None else decision.checkpoint.checkpoint_fn
+    return (None, checkpoint_fn) if decision.pieces else (checkpoint_fn, None)
 
 
 def _build_kind_region(
@@ -308,16 +314,12 @@ def _build_kind_region(
     cls: type[nn.Module],
     compile_fn: Callable[..., Any],
     kwargs: dict[str, Any],
-    pieces_fn: Any,
     split: tuple,
 ) -> tuple[Callable[..., Any], Callable[..., Any], RegionBackend | None, str]:
     """The region of kind ``key`` for the blocks whose guarded numbers are ``split``, on code of its own."""
-    label, region_kw, backend = _kind_backend(
-        (*key, split) if split else key, decision, cls, kwargs, pieces_fn
-    )
-    checkpoint_fn = (
-        None if decision.checkpoint is None or pieces_fn is not None else decision.checkpoint.checkpoint_fn
-    )
+    checkpoint_fn, pieces_fn = _checkpoint_fns(decision)
+    key = (*key, split) if split else key
+    label, region_kw, backend = _kind_backend(key, decision, cls, kwargs, pieces_fn)
     forward = cls.forward
     converted = None
     # torch's own modules keep the trampoline: dynamo skips frames whose code
@@ -391,11 +393,6 @@ def _kind_backend(
         label = _label(decision.path, cls)
         run.region_backends[key] = (label, *_backend_kwargs(kwargs, label, pieces_fn))
     return run.region_backends[key]
-
-
-def _pieces_of_region(backend: RegionBackend | None, pieces: list[CheckpointPieces] | None) -> None:
-    if backend is not None and backend.pieces is not None and pieces is not None:
-        pieces.append(backend.pieces)
 
 
 def _policy_bytes(pieces: list[CheckpointPieces]) -> int | None:
