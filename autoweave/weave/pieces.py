@@ -123,7 +123,14 @@ def _static(value: Any) -> Any:
 
 
 def _static_copy(mode: Any, value: Any) -> Any:
-    """A fake copy of ``value`` with static sizes only (the inspection must not touch dynamo's shape env)."""
+    """(Under ``mode``.) A fake copy of a graph's example input ``value``: its SymInts (dynamic sizes) replaced by their hints.
+
+    The replay runs under a mode of autoweave's own, with no shape env; a SymInt
+    of dynamo's met by a static fake op would be compared to a plain number
+    there, and every such comparison is a guard in dynamo's shape env
+    (``Eq(128*s27, 12288)`` from a reshape): the size would be specialized and
+    the frame recompile at every new length, up to the recompile limit.
+    """
     import torch
 
     if isinstance(value, torch.SymBool):
@@ -144,18 +151,6 @@ def _static_copy(mode: Any, value: Any) -> Any:
         dtype=value.dtype,
         device=value.device,
     )
-
-
-def _fake_copies(mode: Any, values: Any) -> list[Any]:
-    """(Under ``mode``.) Static fake copies of a graph's example inputs: its SymInts (dynamic sizes) replaced by their hints.
-
-    The replay runs under a mode of autoweave's own, with no shape env; a SymInt
-    of dynamo's met by a static fake op would be compared to a plain number
-    there, and every such comparison is a guard in dynamo's shape env
-    (``Eq(128*s27, 12288)`` from a reshape): the size would be specialized and
-    the frame recompile at every new length, up to the recompile limit.
-    """
-    return [_static_copy(mode, v) for v in values]
 
 
 def _tensors(value: Any) -> list[Any]:
@@ -198,7 +193,7 @@ def changed_inputs_backward_needs(gm: Any, example_inputs: Any) -> list[int] | N
 
     try:
         with mode, torch.no_grad():
-            copies = _fake_copies(mode, example_inputs)
+            copies = [_static_copy(mode, v) for v in example_inputs]
             graded.update(
                 id(c)
                 for c, v in zip(copies, example_inputs, strict=True)
@@ -362,18 +357,21 @@ class CheckpointPieces:
             current = current.__cause__ or current.__context__
         return False
 
+    def _users_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, the user's context_fn or policy: what it raises is kept for ``_users``."""
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as exc:
+            self._raised.append(exc)
+            raise
+
     def _traced_context_fn(self) -> Any:
         """The user's ``context_fn`` as the operator calls it while tracing one graph: its policy observed."""
-        user_context_fn = self.context_fn
         slot: list[int | None] = [0]
         self._saved_by_policy.append(slot)
 
         def context_fn() -> Any:
-            try:
-                contexts = user_context_fn()
-            except BaseException as exc:
-                self._raised.append(exc)
-                raise
+            contexts = self._users_call(self.context_fn)
             # A new trace of this graph: count its saves afresh. Not torch's SAC
             # contexts: what they keep is unknown.
             slot[0] = (
@@ -387,11 +385,7 @@ class CheckpointPieces:
 
     def _observed(self, slot: list[int | None], policy: Callable[..., Any]) -> Callable[..., Any]:
         def observed(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                decision = policy(ctx, op, *args, **kwargs)
-            except BaseException as exc:
-                self._raised.append(exc)
-                raise
+            decision = self._users_call(policy, ctx, op, *args, **kwargs)
             if not getattr(ctx, "is_recompute", False) and _saves(decision) and slot[0] is not None:
                 # A torch whose policy context has no op_output: the size cannot be told.
                 size = _fresh_bytes(op, ctx.op_output) if hasattr(ctx, "op_output") else None
@@ -489,9 +483,7 @@ class RegionBackend(_compat.backends.ForwardsToInner):
     def __eq__(self, other: object) -> bool:
         # Equal when compiling alike: the same inner backend and no pieces (a pieces
         # backend checkpoints its graphs its own way: equal to itself only).
-        if other is self:
-            return True
-        return (
+        return other is self or (
             type(other) is type(self)
             and self.pieces is None
             and other.pieces is None  # type: ignore[attr-defined]
