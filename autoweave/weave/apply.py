@@ -28,7 +28,7 @@ from autoweave.planning.plans import Action, Plan
 from autoweave.weave import on_own_code
 from autoweave.weave.first_call_memory import FirstCall
 from autoweave.weave.keep_checkpoint import AtRecompileLimit, PiecesBlock
-from autoweave.weave.pieces import CheckpointPieces, RegionBackend, region_kwargs
+from autoweave.weave.pieces import CheckpointPieces, RegionBackend
 from autoweave.weave.shared_kinds import Install, KindRegion
 
 _labels = itertools.count()
@@ -37,13 +37,17 @@ _labels = itertools.count()
 def _backend_kwargs(
     kwargs: dict[str, Any], label: str, pieces_fn: Any
 ) -> tuple[dict[str, Any], RegionBackend | None]:
-    """The region's compile kwargs, through its ``RegionBackend`` (pieces under ``pieces_fn`` if given).
+    """The region's compile kwargs, through a new ``RegionBackend`` (pieces under ``pieces_fn`` if given).
 
-    Where the backend cannot be rebuilt (AOTInductor options) the region compiles
+    ``backend``, ``mode`` and ``options`` become the one callable torch would
+    build from them, held by the region's backend (``_compat.backends.wrap_backend``).
+    Where that callable cannot be rebuilt (AOTInductor options) the region compiles
     as asked, without fail-open or observers; pieces cannot do without it: raised.
     """
     try:
-        region_kw = region_kwargs(kwargs, label, pieces_fn)
+        region_kw = _compat.backends.wrap_backend(
+            kwargs, lambda inner: RegionBackend(inner, label, pieces_fn)
+        )
     except _compat.lookup.UnsupportedTorch as exc:
         if pieces_fn is not None:
             raise
@@ -189,15 +193,16 @@ class Applied:
     at_limit: AtRecompileLimit | None = None  # pieces blocks back under their checkpoint at the limit
     reverted: bool = False
 
-    def _set_forward(self, module: nn.Module, fn: Any) -> None:
+    def _set_forward(self, module: nn.Module, fn: Any, opaque: bool = False) -> None:
+        # An opaque block stays out of an enclosing trace (see ``apply_plan``).
+        fn = _compat.dynamo.disable(fn, recursive=True) if opaque else fn
         self.changes.append((module, install_forward(module, fn)))
 
     def install(self, module: nn.Module, path: str, opaque: bool, forward: Any, label: str) -> None:
         """Run ``module`` (at ``path``) on the region ``label``: at apply, and when its kind splits."""
         if self.reverted:
             return  # the kind moving a block whose plan was undone: it stays as the user built it
-        # An opaque block stays out of an enclosing trace (see ``apply_plan``).
-        self._set_forward(module, _compat.dynamo.disable(forward, recursive=True) if opaque else forward)
+        self._set_forward(module, forward, opaque)
         self.regions[path] = label
 
     def installer(self, path: str, opaque: bool) -> Install:
@@ -412,10 +417,6 @@ def _measuring_first_call(
 ) -> Callable[..., Any]:
     """``module``'s forward without its checkpoint, its first call with grad measured (``memory``)."""
 
-    def final() -> Callable[..., Any]:
-        forward = _without_checkpoint(module)
-        return _compat.dynamo.disable(forward, recursive=True) if decision.opaque else forward
-
     def done(verdict: learned.Verdict | None) -> None:
         # Said under the block's own region (the inner module), else under the first piece's.
         inner = applied.regions.get(f"{decision.path}.{_compat.modules.CHECKPOINT_WRAPPED}".lstrip("."))
@@ -426,7 +427,8 @@ def _measuring_first_call(
             else:
                 again = "; planned again with hoist from the next call" if verdict.hoist else ""
                 backend.note(f"measured: {verdict.describe()}{again}")
-        applied._set_forward(module, final())  # the measure steps aside: no cost per call
+        # The measure steps aside: no cost per call.
+        applied._set_forward(module, _without_checkpoint(module), decision.opaque)
 
     def failed() -> tuple[str, ...]:
         return tuple(why for p in pieces for why in p.failed_pieces)
@@ -489,9 +491,9 @@ def apply_plan(
                 # Keep this checkpointed module out of the enclosing region's
                 # trace: dynamo breaks the graph here instead of giving up on
                 # the checkpoint. Regions below still compile on their own.
-                forward = _compat.dynamo.disable(forward or user_forward(module), recursive=True)
+                forward = forward or user_forward(module)
             if forward is not None:
-                applied._set_forward(module, forward)
+                applied._set_forward(module, forward, decision.opaque)
         applied.at_limit = _at_recompile_limit(applied, pieces_blocks, on_ac_kept)
     except BaseException:
         applied.revert()

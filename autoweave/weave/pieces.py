@@ -537,14 +537,3 @@ class RegionBackend(_compat.backends.ForwardsToInner):
                 return forward(*args)
 
             return runs_eager(eager, f"the backend failed on it ({why})")
-
-
-def region_kwargs(kwargs: dict[str, Any], label: str, checkpoint_fn: Any = None) -> dict[str, Any]:
-    """``torch.compile`` kwargs that compile as ``kwargs`` asks, through a new ``RegionBackend``.
-
-    ``backend``, ``mode`` and ``options`` become the one callable torch would
-    build from them, held by the region's backend (``_compat.backends.wrap_backend``).
-    Raises ``_compat.lookup.UnsupportedTorch`` where that callable cannot be rebuilt
-    (AOTInductor options).
-    """
-    return _compat.backends.wrap_backend(kwargs, lambda inner: RegionBackend(inner, label, checkpoint_fn))
