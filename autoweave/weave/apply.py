@@ -45,9 +45,8 @@ def _backend_kwargs(
     as asked, without fail-open or observers; pieces cannot do without it: raised.
     """
     try:
-        region_kw = _compat.backends.wrap_backend(
-            kwargs, lambda inner: RegionBackend(inner, label, pieces_fn)
-        )
+        wrap = functools.partial(RegionBackend, label=label, checkpoint_fn=pieces_fn)
+        region_kw = _compat.backends.wrap_backend(kwargs, wrap)
     except _compat.lookup.UnsupportedTorch as exc:
         if pieces_fn is not None:
             raise
@@ -125,24 +124,11 @@ def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]
         for name, t in (*module.named_parameters(), *module.named_buffers())
     )
     structure = tuple((name, type(m), hooks_key(m)) for name, m in module.named_modules())
-    spec = decision.checkpoint
-    checkpoint = (
-        None
-        if spec is None
-        else (
-            learned.identity(getattr(spec.checkpoint_fn, "func", None)),
-            learned.identity(getattr(spec.checkpoint_fn, "keywords", {})),
-        )
-    )
-    return (
-        type(module).forward,
-        structure,
-        shapes,
-        decision.action,
-        decision.pieces,
-        checkpoint,
-        learned.identity(compile_kwargs),
-    )
+    fn = getattr(decision.checkpoint, "checkpoint_fn", None)
+    parts = (getattr(fn, "func", None), getattr(fn, "keywords", {}))  # a partial's function and options
+    checkpoint = None if decision.checkpoint is None else tuple(learned.identity(part) for part in parts)
+    options = learned.identity(compile_kwargs)
+    return (type(module).forward, structure, shapes, decision.action, decision.pieces, checkpoint, options)
 
 
 # Hooks change what a block runs, and dynamo does not guard on them

@@ -123,10 +123,8 @@ class AtRecompileLimit:
 
     def _keep(self, block: PiecesBlock) -> None:
         under = {id(m) for m in block.wrapper.modules()}
-        first: dict[int, tuple[Any, Any]] = {}  # id(module) -> (module, what the plan replaced first)
-        for module, previous in self.changes:
-            if id(module) in under:
-                first.setdefault(id(module), (module, previous))
+        # id(module) -> (module, what the plan replaced first): read backwards, the earliest record wins.
+        first = {id(m): (m, previous) for m, previous in reversed(self.changes) if id(m) in under}
         for module, previous in first.values():
             if module is not block.wrapper:
                 # As the user wrote it; the plan's revert puts the same back again.

@@ -374,11 +374,8 @@ class CheckpointPieces:
             contexts = self._users_call(self.context_fn)
             # A new trace of this graph: count its saves afresh. Not torch's SAC
             # contexts: what they keep is unknown.
-            slot[0] = (
-                0
-                if _compat.checkpoints.observe_sac_policy(contexts, functools.partial(self._observed, slot))
-                else None
-            )
+            known = _compat.checkpoints.observe_sac_policy(contexts, functools.partial(self._observed, slot))
+            slot[0] = 0 if known else None
             return contexts
 
         return context_fn
@@ -444,11 +441,7 @@ def ops_in(gm: Any) -> int:
     sub-GraphModules.
     """
     return sum(
-        1
-        for module in gm.modules()
-        if hasattr(module, "graph")
-        for node in module.graph.nodes
-        if node.op == "call_function"
+        1 for m in gm.modules() if hasattr(m, "graph") for n in m.graph.nodes if n.op == "call_function"
     )
 
 
