@@ -184,15 +184,8 @@ class Applied:
         fn = _compat.dynamo.disable(fn, recursive=True) if opaque else fn
         self.changes.append((module, install_forward(module, fn)))
 
-    def install(self, module: nn.Module, path: str, opaque: bool, forward: Any, label: str) -> None:
-        """Run ``module`` (at ``path``) on the region ``label``: at apply, and when its kind splits."""
-        if self.reverted:
-            return  # the kind moving a block whose plan was undone: it stays as the user built it
-        self._set_forward(module, forward, opaque)
-        self.regions[path] = label
-
     def installer(self, path: str, opaque: bool) -> Install:
-        """``install`` at ``path`` for a kind to call, now and when it splits; it holds this weakly.
+        """What a kind calls to run the block at ``path`` on a region, at apply and when it splits; it holds this weakly.
 
         The kind lives as long as the run does (its backend in dynamo's cache too), and
         this holds every module the plan changed: held from there, a dropped model stays.
@@ -201,8 +194,11 @@ class Applied:
 
         def install(module: nn.Module, forward: Any, label: str) -> None:
             applied = ref()
-            if applied is not None:  # else the dispatcher let the plan go, and the model with it
-                applied.install(module, path, opaque, forward, label)
+            # None: the dispatcher let the plan go, and the model with it. Reverted: the kind
+            # moving a block whose plan was undone: it stays as the user built it.
+            if applied is not None and not applied.reverted:
+                applied._set_forward(module, forward, opaque)
+                applied.regions[path] = label
 
         return install
 
