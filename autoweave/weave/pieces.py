@@ -140,8 +140,7 @@ def _static_copy(mode: Any, value: Any) -> Any:
         return bool(hint)
     if not isinstance(value, torch.Tensor):
         return _static(value)
-    symbolic = any(not isinstance(s, int) for s in (*value.shape, *value.stride(), value.storage_offset()))
-    if not symbolic:
+    if all(isinstance(s, int) for s in (*value.shape, *value.stride(), value.storage_offset())):
         return mode.from_tensor(value).detach().clone()
     # A tensor of a trace (an outer compile's): the same layout at its hinted sizes,
     # made fake by ``mode``, under which the caller runs this.
@@ -414,22 +413,18 @@ class CheckpointPieces:
         root = nn.Module()
         root.piece = gm
         graph = fx.Graph()
-        inputs = []
-        for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                placeholder = graph.placeholder(node.name, type_expr=node.type)
-                placeholder.meta.update(node.meta)
-                inputs.append(placeholder)
+        placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+        inputs = [graph.placeholder(node.name, type_expr=node.type) for node in placeholders]
+        for placeholder, node in zip(inputs, placeholders, strict=True):
+            placeholder.meta.update(node.meta)
         (output,) = (n for n in gm.graph.nodes if n.op == "output")
         results = output.args[0]
         call = graph.call_function(hop, (graph.get_attr("piece"), *inputs), dict(self.options))
         values = tuple(r.meta.get("example_value") if isinstance(r, fx.Node) else r for r in results)
         call.meta["example_value"] = values
-        outputs = []
-        for i, value in enumerate(values):
-            item = graph.call_function(operator.getitem, (call, i))
+        outputs = [graph.call_function(operator.getitem, (call, i)) for i in range(len(values))]
+        for item, value in zip(outputs, values, strict=True):
             item.meta["example_value"] = value
-            outputs.append(item)
         graph.output(tuple(outputs) if isinstance(results, (tuple, list)) else outputs[0])
         return fx.GraphModule(root, graph)
 
