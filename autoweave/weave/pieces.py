@@ -78,10 +78,6 @@ from autoweave.planning import checkpoint_calls
 _OPTIONS = ("preserve_rng_state", "determinism_check", "debug")
 
 
-def _has_ops(gm: Any) -> bool:
-    return any(node.op in ("call_function", "call_method", "call_module") for node in gm.graph.nodes)
-
-
 def _returns_only_tensors(gm: Any) -> bool:
     """The checkpoint operator returns tensors: a piece returning anything else is left unwrapped."""
     import torch
@@ -264,7 +260,7 @@ class CheckpointPieces:
 
     def compile(self, gm: Any, example_inputs: Any, inner: Callable[..., Any]) -> Any:
         """``gm`` compiled by ``inner`` under the checkpoint operator (or, where that would be wrong, without)."""
-        if not _has_ops(gm):
+        if not any(node.op in ("call_function", "call_method", "call_module") for node in gm.graph.nodes):
             return inner(gm, example_inputs)  # nothing to checkpoint
         self._graphs += 1
         if not _returns_only_tensors(gm):
