@@ -33,22 +33,11 @@ def on_own_code(fn: Callable[..., Any], label: str, *, through_wrappers: bool = 
         renames["co_qualname"] = label
     code = fn.__code__.replace(**renames)
     closure = fn.__closure__
-    wrapped = getattr(fn, "__wrapped__", None)
+    wrapped = getattr(fn, "__wrapped__", None) if through_wrappers else None
     wrapped_copy = None
-    if through_wrappers and closure and isinstance(wrapped, types.FunctionType):
-        cells = []
-        for cell in closure:
-            try:
-                held = cell.cell_contents
-            except ValueError:  # an empty cell (a name assigned later)
-                cells.append(cell)
-                continue
-            if held is wrapped:
-                wrapped_copy = wrapped_copy or on_own_code(wrapped, label, through_wrappers=True)
-                cells.append(types.CellType(wrapped_copy))
-            else:
-                cells.append(cell)
-        closure = tuple(cells)
+    if isinstance(wrapped, types.FunctionType) and any(_holds(cell, wrapped) for cell in closure or ()):
+        wrapped_copy = on_own_code(wrapped, label, through_wrappers=True)
+        closure = tuple(types.CellType(wrapped_copy) if _holds(cell, wrapped) else cell for cell in closure)
     copy = types.FunctionType(code, fn.__globals__, label, fn.__defaults__, closure)
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__dict__.update(fn.__dict__)  # what functools.wraps copied (``__wrapped__`` among it)
@@ -56,3 +45,10 @@ def on_own_code(fn: Callable[..., Any], label: str, *, through_wrappers: bool = 
         copy.__wrapped__ = wrapped_copy
     copy.__qualname__ = label
     return copy
+
+
+def _holds(cell: types.CellType, value: Any) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell (a name assigned later)
+        return False

@@ -28,7 +28,7 @@ from autoweave.planning.plans import Action, Plan
 from autoweave.weave import on_own_code
 from autoweave.weave.first_call_memory import FirstCall
 from autoweave.weave.keep_checkpoint import AtRecompileLimit, PiecesBlock
-from autoweave.weave.pieces import CheckpointPieces, RegionBackend, region_kwargs
+from autoweave.weave.pieces import CheckpointPieces, RegionBackend
 from autoweave.weave.shared_kinds import Install, KindRegion
 
 _labels = itertools.count()
@@ -37,13 +37,16 @@ _labels = itertools.count()
 def _backend_kwargs(
     kwargs: dict[str, Any], label: str, pieces_fn: Any
 ) -> tuple[dict[str, Any], RegionBackend | None]:
-    """The region's compile kwargs, through its ``RegionBackend`` (pieces under ``pieces_fn`` if given).
+    """The region's compile kwargs, through a new ``RegionBackend`` (pieces under ``pieces_fn`` if given).
 
-    Where the backend cannot be rebuilt (AOTInductor options) the region compiles
+    ``backend``, ``mode`` and ``options`` become the one callable torch would
+    build from them, held by the region's backend (``_compat.backends.wrap_backend``).
+    Where that callable cannot be rebuilt (AOTInductor options) the region compiles
     as asked, without fail-open or observers; pieces cannot do without it: raised.
     """
     try:
-        region_kw = region_kwargs(kwargs, label, pieces_fn)
+        wrap = functools.partial(RegionBackend, label=label, checkpoint_fn=pieces_fn)
+        region_kw = _compat.backends.wrap_backend(kwargs, wrap)
     except _compat.lookup.UnsupportedTorch as exc:
         if pieces_fn is not None:
             raise
@@ -121,24 +124,11 @@ def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]
         for name, t in (*module.named_parameters(), *module.named_buffers())
     )
     structure = tuple((name, type(m), hooks_key(m)) for name, m in module.named_modules())
-    spec = decision.checkpoint
-    checkpoint = (
-        None
-        if spec is None
-        else (
-            learned.identity(getattr(spec.checkpoint_fn, "func", None)),
-            learned.identity(getattr(spec.checkpoint_fn, "keywords", {})),
-        )
-    )
-    return (
-        type(module).forward,
-        structure,
-        shapes,
-        decision.action,
-        decision.pieces,
-        checkpoint,
-        learned.identity(compile_kwargs),
-    )
+    fn = getattr(decision.checkpoint, "checkpoint_fn", None)
+    parts = (getattr(fn, "func", None), getattr(fn, "keywords", {}))  # a partial's function and options
+    checkpoint = None if decision.checkpoint is None else tuple(learned.identity(part) for part in parts)
+    options = learned.identity(compile_kwargs)
+    return (type(module).forward, structure, shapes, decision.action, decision.pieces, checkpoint, options)
 
 
 # Hooks change what a block runs, and dynamo does not guard on them
@@ -189,19 +179,13 @@ class Applied:
     at_limit: AtRecompileLimit | None = None  # pieces blocks back under their checkpoint at the limit
     reverted: bool = False
 
-    def _set_forward(self, module: nn.Module, fn: Any) -> None:
+    def _set_forward(self, module: nn.Module, fn: Any, opaque: bool = False) -> None:
+        # An opaque block stays out of an enclosing trace (see ``apply_plan``).
+        fn = _compat.dynamo.disable(fn, recursive=True) if opaque else fn
         self.changes.append((module, install_forward(module, fn)))
 
-    def install(self, module: nn.Module, path: str, opaque: bool, forward: Any, label: str) -> None:
-        """Run ``module`` (at ``path``) on the region ``label``: at apply, and when its kind splits."""
-        if self.reverted:
-            return  # the kind moving a block whose plan was undone: it stays as the user built it
-        # An opaque block stays out of an enclosing trace (see ``apply_plan``).
-        self._set_forward(module, _compat.dynamo.disable(forward, recursive=True) if opaque else forward)
-        self.regions[path] = label
-
     def installer(self, path: str, opaque: bool) -> Install:
-        """``install`` at ``path`` for a kind to call, now and when it splits; it holds this weakly.
+        """What a kind calls to run the block at ``path`` on a region, at apply and when it splits; it holds this weakly.
 
         The kind lives as long as the run does (its backend in dynamo's cache too), and
         this holds every module the plan changed: held from there, a dropped model stays.
@@ -210,8 +194,11 @@ class Applied:
 
         def install(module: nn.Module, forward: Any, label: str) -> None:
             applied = ref()
-            if applied is not None:  # else the dispatcher let the plan go, and the model with it
-                applied.install(module, path, opaque, forward, label)
+            # None: the dispatcher let the plan go, and the model with it. Reverted: the kind
+            # moving a block whose plan was undone: it stays as the user built it.
+            if applied is not None and not applied.reverted:
+                applied._set_forward(module, forward, opaque)
+                applied.regions[path] = label
 
         return install
 
@@ -261,12 +248,7 @@ def _region_forward(
 
     A region compiled as pieces appends its ``CheckpointPieces`` to ``pieces``.
     """
-    checkpoint_fn = None if decision.checkpoint is None else decision.checkpoint.checkpoint_fn
-    # Pieces: not traced, the checkpoint is applied by the region's backend to each
-    # graph piece dynamo cuts the region into (see ``pieces``).
-    pieces_fn = checkpoint_fn if decision.pieces else None
-    if pieces_fn is not None:
-        checkpoint_fn = None
+    checkpoint_fn, pieces_fn = _checkpoint_fns(decision)
     key = _region_key(module, decision, kwargs)
     own = own_forward(module)
     if own is not None:
@@ -280,26 +262,37 @@ def _region_forward(
         else:
             label = _label(decision.path, type(module))
             region_kw, backend = _backend_kwargs(kwargs, label, pieces_fn)
-        _pieces_of_region(backend, pieces)
         region = _private_region(own, checkpoint_fn, label)
-        return _compat.dynamo.lookups_in_order(
+        region = _compat.dynamo.lookups_in_order(
             compile_fn(region, **region_kw),
             _compat.checkpoints.as_recompute_sees,
             **_at_limit(region, label, region_kw),
-        ), label
-    # One compiled region, and one backend, per kind: identical blocks share both,
-    # until dynamo guards on a number that differs between them (``shared_kinds``).
-    # The kind outlives its blocks (the run's table, dynamo's backend cache): it is
-    # built from the block's class, never the block, so a dropped model is freed.
-    if key not in run.shared_regions:
-        run.shared_regions[key] = KindRegion(
-            functools.partial(_build_kind_region, key, decision, type(module), compile_fn, kwargs, pieces_fn)
         )
-    kind = run.shared_regions[key]
-    _, _, backend, label = kind.base
-    # Every block of the kind measures through the one backend its graphs were cut by.
-    _pieces_of_region(backend, pieces)
-    return kind, label
+    else:
+        # One compiled region, and one backend, per kind: identical blocks share both,
+        # until dynamo guards on a number that differs between them (``shared_kinds``).
+        # The kind outlives its blocks (the run's table, dynamo's backend cache): it is
+        # built from the block's class, never the block, so a dropped model is freed.
+        if key not in run.shared_regions:
+            run.shared_regions[key] = KindRegion(
+                functools.partial(_build_kind_region, key, decision, type(module), compile_fn, kwargs)
+            )
+        region = run.shared_regions[key]
+        _, _, backend, label = region.base
+    # Every block of a kind measures through the one backend its graphs were cut by.
+    if backend is not None and backend.pieces is not None and pieces is not None:
+        pieces.append(backend.pieces)
+    return region, label
+
+
+def _checkpoint_fns(decision: Any) -> tuple[Any, Any]:
+    """The region's traced ``checkpoint_fn`` and its ``pieces_fn``: one of them, or neither, is None.
+
+    Pieces: not traced, the checkpoint is applied by the region's backend to each
+    graph piece dynamo cuts the region into (see ``pieces``).
+    """
+    checkpoint_fn = None if decision.checkpoint is None else decision.checkpoint.checkpoint_fn
+    return (None, checkpoint_fn) if decision.pieces else (checkpoint_fn, None)
 
 
 def _build_kind_region(
@@ -308,16 +301,12 @@ def _build_kind_region(
     cls: type[nn.Module],
     compile_fn: Callable[..., Any],
     kwargs: dict[str, Any],
-    pieces_fn: Any,
     split: tuple,
 ) -> tuple[Callable[..., Any], Callable[..., Any], RegionBackend | None, str]:
     """The region of kind ``key`` for the blocks whose guarded numbers are ``split``, on code of its own."""
-    label, region_kw, backend = _kind_backend(
-        (*key, split) if split else key, decision, cls, kwargs, pieces_fn
-    )
-    checkpoint_fn = (
-        None if decision.checkpoint is None or pieces_fn is not None else decision.checkpoint.checkpoint_fn
-    )
+    checkpoint_fn, pieces_fn = _checkpoint_fns(decision)
+    key = (*key, split) if split else key
+    label, region_kw, backend = _kind_backend(key, decision, cls, kwargs, pieces_fn)
     forward = cls.forward
     converted = None
     # torch's own modules keep the trampoline: dynamo skips frames whose code
@@ -393,11 +382,6 @@ def _kind_backend(
     return run.region_backends[key]
 
 
-def _pieces_of_region(backend: RegionBackend | None, pieces: list[CheckpointPieces] | None) -> None:
-    if backend is not None and backend.pieces is not None and pieces is not None:
-        pieces.append(backend.pieces)
-
-
 def _policy_bytes(pieces: list[CheckpointPieces]) -> int | None:
     """What the policy saved in these regions' pieces while they were traced (None: not known)."""
     sizes = [p.policy_saved_bytes for p in pieces]
@@ -415,10 +399,6 @@ def _measuring_first_call(
 ) -> Callable[..., Any]:
     """``module``'s forward without its checkpoint, its first call with grad measured (``memory``)."""
 
-    def final() -> Callable[..., Any]:
-        forward = _without_checkpoint(module)
-        return _compat.dynamo.disable(forward, recursive=True) if decision.opaque else forward
-
     def done(verdict: learned.Verdict | None) -> None:
         # Said under the block's own region (the inner module), else under the first piece's.
         inner = applied.regions.get(f"{decision.path}.{_compat.modules.CHECKPOINT_WRAPPED}".lstrip("."))
@@ -429,7 +409,8 @@ def _measuring_first_call(
             else:
                 again = "; planned again with hoist from the next call" if verdict.hoist else ""
                 backend.note(f"measured: {verdict.describe()}{again}")
-        applied._set_forward(module, final())  # the measure steps aside: no cost per call
+        # The measure steps aside: no cost per call.
+        applied._set_forward(module, _without_checkpoint(module), decision.opaque)
 
     def failed() -> tuple[str, ...]:
         return tuple(why for p in pieces for why in p.failed_pieces)
@@ -492,9 +473,9 @@ def apply_plan(
                 # Keep this checkpointed module out of the enclosing region's
                 # trace: dynamo breaks the graph here instead of giving up on
                 # the checkpoint. Regions below still compile on their own.
-                forward = _compat.dynamo.disable(forward or user_forward(module), recursive=True)
+                forward = forward or user_forward(module)
             if forward is not None:
-                applied._set_forward(module, forward)
+                applied._set_forward(module, forward, decision.opaque)
         applied.at_limit = _at_recompile_limit(applied, pieces_blocks, on_ac_kept)
     except BaseException:
         applied.revert()

@@ -43,7 +43,7 @@ class _Storages:
         self.storages: dict[int, Any] = {}
         self.parameters: set[int] = set()
 
-    def add(self, tensor: Any) -> None:
+    def add(self, tensor: Any, parameter: bool = False) -> None:
         import torch.nn as nn
 
         try:
@@ -51,7 +51,7 @@ class _Storages:
             pointer = storage.data_ptr()
         except Exception:  # a subclass without one storage: not counted
             return
-        if isinstance(tensor, nn.Parameter):
+        if parameter or isinstance(tensor, nn.Parameter):
             self.parameters.add(pointer)
         else:
             self.storages.setdefault(pointer, storage)
@@ -59,10 +59,7 @@ class _Storages:
     def leave_out(self, module: Any) -> None:
         """Leave out the storages of ``module``'s parameters and buffers (as they are now)."""
         for tensor in (*module.parameters(), *module.buffers()):
-            try:
-                self.parameters.add(tensor.untyped_storage().data_ptr())
-            except Exception:
-                pass
+            self.add(tensor, parameter=True)
 
     @property
     def total(self) -> int:
@@ -78,18 +75,15 @@ def tensor_bytes(value: Any) -> int:
     def visit(item: Any) -> None:
         if isinstance(item, torch.Tensor):
             storages.add(item)
-        elif isinstance(item, (tuple, list)):
-            for inner in item:
-                visit(inner)
-        elif isinstance(item, dict):
-            for inner in item.values():
+        elif isinstance(item, (tuple, list, dict)):
+            for inner in item.values() if isinstance(item, dict) else item:
                 visit(inner)
 
     visit(value)
     return storages.total
 
 
-class SavedBytes:
+class SavedBytes(_Storages):
     """While inside: every tensor autograd saves for backward is counted (``total`` bytes, ``count``).
 
     The hooks hand each tensor back unchanged. Inside an eager checkpoint its
@@ -97,28 +91,20 @@ class SavedBytes:
     """
 
     def __init__(self) -> None:
-        self._storages = _Storages()
+        super().__init__()
         self.count = 0
         self._hooks: Any = None
 
     def _pack(self, tensor: Any) -> Any:
-        if not _compat.checkpoints.is_fake(
-            tensor
-        ):  # a trace that runs meanwhile (dynamo's, a piece's inspection)
+        # Not a fake tensor: a trace that runs meanwhile (dynamo's, a piece's inspection).
+        if not _compat.checkpoints.is_fake(tensor):
             self.count += 1
-            self._storages.add(tensor)
+            self.add(tensor)
         return tensor
 
     @staticmethod
     def _unpack(tensor: Any) -> Any:
         return tensor
-
-    @property
-    def total(self) -> int:
-        return self._storages.total
-
-    def leave_out(self, module: Any) -> None:
-        self._storages.leave_out(module)
 
     def __enter__(self) -> SavedBytes:
         import torch
@@ -138,6 +124,7 @@ class SavedBytes:
         self._hooks.__exit__(*exc)
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class FirstCall:
     """A pieces block's forward that measures its first call with grad, then gets out of the way.
 
@@ -151,22 +138,15 @@ class FirstCall:
     every rank, measured or not: whether any rank running the block says hoist.
     """
 
-    def __init__(
-        self,
-        wrapper: Any,
-        forward: Callable[..., Any],
-        policy_bytes: Callable[[], int | None],
-        done: Callable[[Verdict | None], None],
-        failed: Callable[[], tuple[str, ...]] = tuple,
-        agree: Callable[[list[bool]], list[bool]] = list,
-    ) -> None:
-        self.wrapper = wrapper
-        self.forward = forward
-        self.policy_bytes = policy_bytes
-        self.failed = failed
-        self.done = done
-        self.agree = agree
-        self.finished = False
+    wrapper: Any
+    forward: Callable[..., Any]
+    policy_bytes: Callable[[], int | None]
+    done: Callable[[Verdict | None], None]
+    failed: Callable[[], tuple[str, ...]] = tuple
+    agree: Callable[[list[bool]], list[bool]] = list
+    finished: bool = dataclasses.field(default=False, init=False)
+
+    def __post_init__(self) -> None:
         run.measuring.add(self)  # the plan summary waits for its first call with grad
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -70,12 +70,8 @@ class PiecesBlock:
     wrapper: Any
     # The labels (code names) of the regions under it, read when a limit is hit: a block
     # moved to a region of its own when its kind split (``shared_kinds``) is found there.
-    labels_now: Callable[[], frozenset[str]]
+    labels: Callable[[], frozenset[str]]
     kept: bool = False  # switched back to its checkpoint
-
-    @property
-    def labels(self) -> frozenset[str]:
-        return self.labels_now()
 
 
 @dataclass
@@ -113,11 +109,11 @@ class AtRecompileLimit:
             listening.stop()
 
     def _on_limit(self, hit: RecompileLimit) -> None:
-        hit_blocks = [b for b in self.blocks if not b.kept and any(hit.in_function(lb) for lb in b.labels)]
+        hit_blocks = [b for b in self.blocks if not b.kept and any(hit.in_function(lb) for lb in b.labels())]
         for block in hit_blocks:
             block.kept = True
             self._keep(block)
-            for label in block.labels:
+            for label in block.labels():
                 notes = run.region_notes.setdefault(label, [])
                 if KEPT_NOTE not in notes:
                     notes.append(KEPT_NOTE)
@@ -127,10 +123,8 @@ class AtRecompileLimit:
 
     def _keep(self, block: PiecesBlock) -> None:
         under = {id(m) for m in block.wrapper.modules()}
-        first: dict[int, tuple[Any, Any]] = {}  # id(module) -> (module, what the plan replaced first)
-        for module, previous in self.changes:
-            if id(module) in under:
-                first.setdefault(id(module), (module, previous))
+        # id(module) -> (module, what the plan replaced first): read backwards, the earliest record wins.
+        first = {id(m): (m, previous) for m, previous in reversed(self.changes) if id(m) in under}
         for module, previous in first.values():
             if module is not block.wrapper:
                 # As the user wrote it; the plan's revert puts the same back again.
@@ -156,14 +150,10 @@ def decorated_forward(module: nn.Module) -> Any:
     cls = _compat.checkpoints.checkpointed_function_class()
     if cls is None:
         return None
-    own = module.__dict__.get("forward")
-    if own is not None:
-        return own if isinstance(own, cls) else None
-    for klass in type(module).__mro__:
-        if "forward" in klass.__dict__:
-            found = klass.__dict__["forward"]
-            return found if isinstance(found, cls) else None
-    return None
+    found = module.__dict__.get("forward")
+    if found is None:
+        found = next((c.__dict__["forward"] for c in type(module).__mro__ if "forward" in c.__dict__), None)
+    return found if isinstance(found, cls) else None
 
 
 def _call_form(module: nn.Module, decorated: Any, options: dict[str, Any]) -> Any:

@@ -78,10 +78,6 @@ from autoweave.planning import checkpoint_calls
 _OPTIONS = ("preserve_rng_state", "determinism_check", "debug")
 
 
-def _has_ops(gm: Any) -> bool:
-    return any(node.op in ("call_function", "call_method", "call_module") for node in gm.graph.nodes)
-
-
 def _returns_only_tensors(gm: Any) -> bool:
     """The checkpoint operator returns tensors: a piece returning anything else is left unwrapped."""
     import torch
@@ -123,7 +119,14 @@ def _static(value: Any) -> Any:
 
 
 def _static_copy(mode: Any, value: Any) -> Any:
-    """A fake copy of ``value`` with static sizes only (the inspection must not touch dynamo's shape env)."""
+    """(Under ``mode``.) A fake copy of a graph's example input ``value``: its SymInts (dynamic sizes) replaced by their hints.
+
+    The replay runs under a mode of autoweave's own, with no shape env; a SymInt
+    of dynamo's met by a static fake op would be compared to a plain number
+    there, and every such comparison is a guard in dynamo's shape env
+    (``Eq(128*s27, 12288)`` from a reshape): the size would be specialized and
+    the frame recompile at every new length, up to the recompile limit.
+    """
     import torch
 
     if isinstance(value, torch.SymBool):
@@ -133,8 +136,7 @@ def _static_copy(mode: Any, value: Any) -> Any:
         return bool(hint)
     if not isinstance(value, torch.Tensor):
         return _static(value)
-    symbolic = any(not isinstance(s, int) for s in (*value.shape, *value.stride(), value.storage_offset()))
-    if not symbolic:
+    if all(isinstance(s, int) for s in (*value.shape, *value.stride(), value.storage_offset())):
         return mode.from_tensor(value).detach().clone()
     # A tensor of a trace (an outer compile's): the same layout at its hinted sizes,
     # made fake by ``mode``, under which the caller runs this.
@@ -144,18 +146,6 @@ def _static_copy(mode: Any, value: Any) -> Any:
         dtype=value.dtype,
         device=value.device,
     )
-
-
-def _fake_copies(mode: Any, values: Any) -> list[Any]:
-    """(Under ``mode``.) Static fake copies of a graph's example inputs: its SymInts (dynamic sizes) replaced by their hints.
-
-    The replay runs under a mode of autoweave's own, with no shape env; a SymInt
-    of dynamo's met by a static fake op would be compared to a plain number
-    there, and every such comparison is a guard in dynamo's shape env
-    (``Eq(128*s27, 12288)`` from a reshape): the size would be specialized and
-    the frame recompile at every new length, up to the recompile limit.
-    """
-    return [_static_copy(mode, v) for v in values]
 
 
 def _tensors(value: Any) -> list[Any]:
@@ -198,7 +188,7 @@ def changed_inputs_backward_needs(gm: Any, example_inputs: Any) -> list[int] | N
 
     try:
         with mode, torch.no_grad():
-            copies = _fake_copies(mode, example_inputs)
+            copies = [_static_copy(mode, v) for v in example_inputs]
             graded.update(
                 id(c)
                 for c, v in zip(copies, example_inputs, strict=True)
@@ -270,7 +260,7 @@ class CheckpointPieces:
 
     def compile(self, gm: Any, example_inputs: Any, inner: Callable[..., Any]) -> Any:
         """``gm`` compiled by ``inner`` under the checkpoint operator (or, where that would be wrong, without)."""
-        if not _has_ops(gm):
+        if not any(node.op in ("call_function", "call_method", "call_module") for node in gm.graph.nodes):
             return inner(gm, example_inputs)  # nothing to checkpoint
         self._graphs += 1
         if not _returns_only_tensors(gm):
@@ -362,36 +352,32 @@ class CheckpointPieces:
             current = current.__cause__ or current.__context__
         return False
 
+    def _users_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, the user's context_fn or policy: what it raises is kept for ``_users``."""
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as exc:
+            self._raised.append(exc)
+            raise
+
     def _traced_context_fn(self) -> Any:
         """The user's ``context_fn`` as the operator calls it while tracing one graph: its policy observed."""
-        user_context_fn = self.context_fn
         slot: list[int | None] = [0]
         self._saved_by_policy.append(slot)
 
         def context_fn() -> Any:
-            try:
-                contexts = user_context_fn()
-            except BaseException as exc:
-                self._raised.append(exc)
-                raise
+            contexts = self._users_call(self.context_fn)
             # A new trace of this graph: count its saves afresh. Not torch's SAC
             # contexts: what they keep is unknown.
-            slot[0] = (
-                0
-                if _compat.checkpoints.observe_sac_policy(contexts, functools.partial(self._observed, slot))
-                else None
-            )
+            known = _compat.checkpoints.observe_sac_policy(contexts, functools.partial(self._observed, slot))
+            slot[0] = 0 if known else None
             return contexts
 
         return context_fn
 
     def _observed(self, slot: list[int | None], policy: Callable[..., Any]) -> Callable[..., Any]:
         def observed(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                decision = policy(ctx, op, *args, **kwargs)
-            except BaseException as exc:
-                self._raised.append(exc)
-                raise
+            decision = self._users_call(policy, ctx, op, *args, **kwargs)
             if not getattr(ctx, "is_recompute", False) and _saves(decision) and slot[0] is not None:
                 # A torch whose policy context has no op_output: the size cannot be told.
                 size = _fresh_bytes(op, ctx.op_output) if hasattr(ctx, "op_output") else None
@@ -423,22 +409,18 @@ class CheckpointPieces:
         root = nn.Module()
         root.piece = gm
         graph = fx.Graph()
-        inputs = []
-        for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                placeholder = graph.placeholder(node.name, type_expr=node.type)
-                placeholder.meta.update(node.meta)
-                inputs.append(placeholder)
+        placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+        inputs = [graph.placeholder(node.name, type_expr=node.type) for node in placeholders]
+        for placeholder, node in zip(inputs, placeholders, strict=True):
+            placeholder.meta.update(node.meta)
         (output,) = (n for n in gm.graph.nodes if n.op == "output")
         results = output.args[0]
         call = graph.call_function(hop, (graph.get_attr("piece"), *inputs), dict(self.options))
         values = tuple(r.meta.get("example_value") if isinstance(r, fx.Node) else r for r in results)
         call.meta["example_value"] = values
-        outputs = []
-        for i, value in enumerate(values):
-            item = graph.call_function(operator.getitem, (call, i))
+        outputs = [graph.call_function(operator.getitem, (call, i)) for i in range(len(values))]
+        for item, value in zip(outputs, values, strict=True):
             item.meta["example_value"] = value
-            outputs.append(item)
         graph.output(tuple(outputs) if isinstance(results, (tuple, list)) else outputs[0])
         return fx.GraphModule(root, graph)
 
@@ -450,11 +432,7 @@ def ops_in(gm: Any) -> int:
     sub-GraphModules.
     """
     return sum(
-        1
-        for module in gm.modules()
-        if hasattr(module, "graph")
-        for node in module.graph.nodes
-        if node.op == "call_function"
+        1 for m in gm.modules() if hasattr(m, "graph") for n in m.graph.nodes if n.op == "call_function"
     )
 
 
@@ -489,9 +467,7 @@ class RegionBackend(_compat.backends.ForwardsToInner):
     def __eq__(self, other: object) -> bool:
         # Equal when compiling alike: the same inner backend and no pieces (a pieces
         # backend checkpoints its graphs its own way: equal to itself only).
-        if other is self:
-            return True
-        return (
+        return other is self or (
             type(other) is type(self)
             and self.pieces is None
             and other.pieces is None  # type: ignore[attr-defined]
@@ -545,14 +521,3 @@ class RegionBackend(_compat.backends.ForwardsToInner):
                 return forward(*args)
 
             return runs_eager(eager, f"the backend failed on it ({why})")
-
-
-def region_kwargs(kwargs: dict[str, Any], label: str, checkpoint_fn: Any = None) -> dict[str, Any]:
-    """``torch.compile`` kwargs that compile as ``kwargs`` asks, through a new ``RegionBackend``.
-
-    ``backend``, ``mode`` and ``options`` become the one callable torch would
-    build from them, held by the region's backend (``_compat.backends.wrap_backend``).
-    Raises ``_compat.lookup.UnsupportedTorch`` where that callable cannot be rebuilt
-    (AOTInductor options).
-    """
-    return _compat.backends.wrap_backend(kwargs, lambda inner: RegionBackend(inner, label, checkpoint_fn))

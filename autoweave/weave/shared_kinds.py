@@ -34,8 +34,9 @@ from autoweave import _compat, _log
 # Per-module values dynamo can specialize on (a guard ``self.layer_idx == 3``).
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
 
-# build(split) -> (the compiled region, the function it compiles, its RegionBackend or None, its label)
-Build = Callable[[tuple], tuple[Callable[..., Any], Callable[..., Any], Any, str]]
+# (the compiled region, the function it compiles, its RegionBackend or None, its label)
+Region = tuple[Callable[..., Any], Callable[..., Any], Any, str]
+Build = Callable[[tuple], Region]  # build(split) -> the region of the blocks whose guarded numbers are split
 
 
 def constants_of(module: nn.Module) -> tuple[tuple[str, str, Any], ...]:
@@ -64,21 +65,13 @@ class KindRegion:
     def __init__(self, build: Build) -> None:
         self._build = build
         self._split_names: frozenset[str] = frozenset()
-        self._base = build(())
-        self._all = [self._base]  # every region of the kind, for their guards
-        self._by_label: dict[str, Callable[..., Any]] = {self._base[3]: self._base[0]}
-        # The first block runs on the base region: its guards are the evidence a split is read from.
-        self._by_split: dict[tuple, tuple[Callable[..., Any], Callable[..., Any], Any, str]] = {
-            (): self._base
-        }
+        self._all: list[Region] = []  # every region of the kind (the latest last), for their guards
         self._first: tuple | None = None  # constants of the first block (the base region's)
         self._blocks: weakref.WeakKeyDictionary[nn.Module, Install] = weakref.WeakKeyDictionary()
         self._placed: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()  # -> label
-        self._listen(self._base)
-
-    @property
-    def base(self) -> tuple[Callable[..., Any], Callable[..., Any], Any, str]:
-        return self._base
+        self.base = self._new_region(())
+        # The first block runs on the base region: its guards are the evidence a split is read from.
+        self._by_split: dict[tuple, Region] = {(): self.base}
 
     def bind(self, module: nn.Module, install: Install) -> None:
         """Run ``module`` on its region of the kind (``install``), and move it if the kind splits later."""
@@ -91,14 +84,11 @@ class KindRegion:
         split = self._split(constants_of(module)) if self._split_names else ()
         region = self._by_split.get(split)
         if region is None:
-            region = self._by_split[split] = self._build(split)
-            self._all.append(region)
-            self._by_label[region[3]] = region[0]
-            self._listen(region)
-        # A block that stays put keeps its forward: dynamo guards on it, a new one recompiles.
-        if moved_only and self._placed.get(module) == region[3]:
-            return
+            region = self._by_split[split] = self._new_region(split)
         previous = self._placed.get(module)
+        # A block that stays put keeps its forward: dynamo guards on it, a new one recompiles.
+        if moved_only and previous == region[3]:
+            return
         self._placed[module] = region[3]
         forward = functools.partial(region[0], module)
         if not moved_only or previous is None:
@@ -108,14 +98,16 @@ class KindRegion:
         # whose forward ran on the old region) still has a checkpoint's recompute to run,
         # which must run the graph its forward ran. So a moved block changes region at its
         # next forward, never in a recompute.
-        old = self._by_label[previous]
+        old = next(r[0] for r in reversed(self._all) if r[3] == previous)
         move = functools.partial(install, module, forward, region[3])
         install(module, _moving(functools.partial(old, module), forward, move), previous)
 
-    def _listen(self, region: tuple[Callable[..., Any], Callable[..., Any], Any, str]) -> None:
-        backend = region[2]
-        if backend is not None:  # compiled as asked (AOTInductor): no graphs seen, no evidence
-            backend.before_graph.append(self._read_guards)
+    def _new_region(self, split: tuple) -> Region:
+        region = self._build(split)
+        self._all.append(region)
+        if region[2] is not None:  # compiled as asked (AOTInductor): no graphs seen, no evidence
+            region[2].before_graph.append(self._read_guards)
+        return region
 
     def _read_guards(self) -> None:
         guarded = frozenset().union(*(_compat.backends.guarded_attributes(fn) for _, fn, _, _ in self._all))
@@ -125,11 +117,11 @@ class KindRegion:
         self._split_names = frozenset(names)
         _log.logger.debug(
             "%s: dynamo guards on %s: blocks of this kind split by their values",
-            self._base[3],
+            self.base[3],
             ", ".join(sorted(names)),
         )
         # The base region keeps the block it was compiled for (its guards hold that block's values).
-        self._by_split = {self._split(self._first or ()): self._base}
+        self._by_split = {self._split(self._first or ()): self.base}
         for module, install in list(self._blocks.items()):
             self._place(module, install, moved_only=True)
 
