@@ -63,24 +63,21 @@ class _Planner:
         kind = None if root else self.tree.kind(module)
         if kind is not None:
             self.boundary(path, module, kind, moved)
-            return
-        if (spec := self.tree.ac_over_boundary(module)) is not None:
+        elif (spec := self.tree.ac_over_boundary(module)) is not None:
             self.checkpointed(path, module, spec, moved, opaque=False)
-            return
-        if is_container(module):
+        elif is_container(module):
             # ModuleList / ModuleDict have no forward: their parent calls the children.
             self.add(path, module, Action.EAGER, "container without a forward: children planned")
             self.children(path, module, moved)
-            return
-        if not self.tree.has_boundary_below(module):
+        elif not self.tree.has_boundary_below(module):
             self.region(path, module, moved, Action.COMPILE, "no boundary inside: compiled whole")
-            return
-        shape = self.shape(module)
-        if not self.children_one_by_one and shape is None:
+        elif (shape := self.shape(module)) is None and not self.children_one_by_one:
             self.split(path, module, moved, "compiled; dynamo splits it at the boundaries inside")
-            return
-        why = f"{shape}: " if shape else ""
-        self.weave_children(path, module, moved, f"boundary inside; own forward eager, {why}{_ONE_BY_ONE}")
+        else:
+            why = f"{shape}: " if shape else ""
+            self.weave_children(
+                path, module, moved, f"boundary inside; own forward eager, {why}{_ONE_BY_ONE}"
+            )
 
     def shape(self, module: nn.Module) -> str | None:
         """Why ``module`` (a boundary below it) cannot be one region that dynamo splits, or None."""
@@ -131,18 +128,15 @@ class _Planner:
     ) -> None:
         if boundaries.forward_disabled(module):
             self.add(path, module, Action.EAGER, f"{kind}: left eager as the user asked")
-            return
-        if id(module) in self.tree.breaking and moved is not None:
+        elif id(module) in self.tree.breaking and moved is not None:
             # A break in its own forward: compiled, dynamo cuts it there, and each
             # piece carries the checkpoint (the children are traced inside).
             self.split(path, module, moved, f"{kind} → compiled, split there", action=Action.BOUNDARY)
-            return
-        if (spec := self.tree.ac_over_boundary(module)) is not None:
+        elif (spec := self.tree.ac_over_boundary(module)) is not None:
             # An AC wrapper that is itself an FSDP unit (AC, then fully_shard per
             # block): its hooks stay eager anyway; its checkpoint is planned as any.
             self.checkpointed(path, module, spec, moved, opaque=opaque, unit=kind)
-            return
-        if not self.tree.has_boundary_below(module):
+        elif not self.tree.has_boundary_below(module):
             # A break in its own forward splits the region: compiled from a copy of the
             # forward, else the frames dynamo makes at the break run the class's shared
             # code, one cache for every kind, and a hook added later (which dynamo does
@@ -155,13 +149,11 @@ class _Planner:
                 f"{kind} → hooks stay eager, forward compiled",
                 splits=id(module) in self.tree.breaking,
             )
-            return
         # A boundary inside a boundary: its own forward is planned like any module. One that
         # checkpoints in its own forward (HF's GradientCheckpointingLayer under FSDP2) keeps that
         # forward eager: a compile of it would trace the checkpoint, and the boundary inside makes
         # dynamo run the whole layer eager.
-        hidden = _checkpoints_itself(module)
-        if not self.children_one_by_one and not hidden:
+        elif not (hidden := _checkpoints_itself(module)) and not self.children_one_by_one:
             self.split(
                 path,
                 module,
@@ -169,10 +161,11 @@ class _Planner:
                 f"{kind} → hooks stay eager, forward compiled and split at nested boundaries",
                 action=Action.BOUNDARY,
             )
-            return
-        why = f"; its forward calls checkpoint: {_ONE_BY_ONE}" if hidden else ", inner planned below"
-        self.add(path, module, Action.BOUNDARY, f"{kind} → hooks stay eager{why}", opaque=opaque and hidden)
-        self.children(path, module, moved)
+        else:
+            why = f"; its forward calls checkpoint: {_ONE_BY_ONE}" if hidden else ", inner planned below"
+            reason = f"{kind} → hooks stay eager{why}"
+            self.add(path, module, Action.BOUNDARY, reason, opaque=opaque and hidden)
+            self.children(path, module, moved)
 
     def checkpointed(
         self,
@@ -184,9 +177,8 @@ class _Planner:
         opaque: bool,
         unit: str | None = None,
     ) -> None:
-        inner_path = (
-            f"{path}.{_compat.modules.CHECKPOINT_WRAPPED}" if path else _compat.modules.CHECKPOINT_WRAPPED
-        )
+        wrapped = _compat.modules.CHECKPOINT_WRAPPED
+        inner_path = f"{path}.{wrapped}" if path else wrapped
         inner = _compat.modules.checkpoint_wrapped(module)
         where = "kept out of the enclosing region, " if opaque else ""
         if unit is not None:
@@ -252,11 +244,9 @@ class _Planner:
                 self.add(child_path, child, Action.BOUNDARY, f"{kind} → the enclosing region splits there")
                 if self.tree.has_boundary_below(child):
                     self.inside_split(child_path, child, moved)
-                continue
-            if kind is not None:
+            elif kind is not None:
                 self.boundary(child_path, child, kind, moved, opaque=True)
-                continue
-            if (spec := self.tree.ac_over_boundary(child)) is not None:
+            elif (spec := self.tree.ac_over_boundary(child)) is not None:
                 self.checkpointed(child_path, child, spec, moved, opaque=True)
             elif self.tree.has_boundary_below(child) and _checkpoints_itself(child):
                 self.weave_children(
@@ -315,9 +305,9 @@ def plan(
     tree = Tree(classify or boundaries.classify, learned or Learned())
     target = unwrap(module)
     found = tuple(
-        (name, tree.kind(m) or "")
+        (name, kind)
         for name, m in target.named_modules()
-        if m is not target and tree.kind(m) is not None
+        if m is not target and (kind := tree.kind(m)) is not None
     )
     root_type = type(target).__name__
     places = tuple((path, source) for path, _ in found if (source := sources.boundary_source(target, path)))
@@ -333,13 +323,11 @@ def plan(
     if mode == "off":
         return plain("weaving is off (mode=off): compiled as plain torch.compile would")
     planner = _Planner(tree, strategy, fullgraph, children_one_by_one=children_one_by_one)
-    outer = (
-        None
-        if outer_ac is None
-        else plans.resolve_outer(
+    outer = None
+    if outer_ac is not None:
+        outer = plans.resolve_outer(
             outer_ac, asked=strategy, untraceable=lambda: tree.untraceable.get(id(outer_ac.checkpoint_fn))
         )
-    )
     if outer is not None and outer.strategy is plans.PIECES:
         # AC outside the compile: plain torch splits at the boundary, but an eager
         # selective policy around compiled code sees inductor's kernels, not the
@@ -355,7 +343,7 @@ def plan(
     # torch.compile(layer) traces that checkpoint; the dispatcher runs __call__ eagerly.
     call_ac = call_traced and own_spec is None and checkpoint_calls.call_checkpoints(target)
     traced_ac = own_spec is not None or call_ac or tree.traced_ac_over_boundary(target)
-    if outer is not None and outer_ac is not None and not outer_ac.reentrant and not traced_ac:
+    if outer_ac is not None and not outer_ac.reentrant and not traced_ac:
         # AC that stays outside an in-place compile (full AC; a custom checkpoint_fn; a
         # context_fn a traced checkpoint cannot take): plain torch.compile splits the graph
         # at the boundaries, but compiles on the class's shared code, so one dynamo cache
@@ -445,12 +433,10 @@ def calls_checkpoint(module: nn.Module) -> bool:
 def traces_checkpoint(module: nn.Module, *, call_traced: bool = True) -> bool:
     """Would a compile of ``module`` trace some checkpoint (where a break would cost the region)?"""
     target = unwrap(module)
-    if call_traced and checkpoint_calls.call_checkpoints(target):
-        return True
     return any(
         checkpoint_spec(m) is not None
         or calls_checkpoint(m)
-        or (m is not target and checkpoint_calls.call_checkpoints(m))
+        or ((call_traced or m is not target) and checkpoint_calls.call_checkpoints(m))
         for m in target.modules()
     )
 
