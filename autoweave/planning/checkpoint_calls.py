@@ -191,10 +191,7 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
                     builtins = globals_.get("__builtins__", {})
                     current = (builtins if isinstance(builtins, dict) else vars(builtins)).get(name, _MISSING)
             elif op in ("LOAD_DEREF", "LOAD_CLASSDEREF") and name in cells:
-                try:
-                    current = cells[name].cell_contents
-                except ValueError:  # an empty cell
-                    current = _MISSING
+                current = sources.cell_value(cells[name], _MISSING)
             elif op.startswith("LOAD_FAST") and name == self_name:
                 current = owner
         elif op in _ATTRIBUTE_LOADS:

@@ -328,12 +328,12 @@ def identity(value: Any, _depth: int = 0) -> Any:
     return id(value)
 
 
+_EMPTY = ("empty",)  # the key of a cell not filled yet
+
+
 def _captured(cell: Any, depth: int) -> Any:
-    try:
-        contents = cell.cell_contents
-    except ValueError:  # a cell not filled yet
-        return ("empty",)
-    return _captured_value(contents, depth)
+    contents = sources.cell_value(cell, _EMPTY)
+    return _EMPTY if contents is _EMPTY else _captured_value(contents, depth)
 
 
 def _captured_value(value: Any, depth: int) -> Any:

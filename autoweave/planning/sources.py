@@ -49,6 +49,14 @@ def torch_file(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_torch_dir())
 
 
+def cell_value(cell: types.CellType, empty: Any = None) -> Any:
+    """What a closure cell holds, or ``empty`` for a cell not filled yet (reading never raises)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return empty
+
+
 def user_function(fn: Any) -> bool:
     """Does ``fn`` have code of its own outside torch's files (a copy keeps its file name)?"""
     code = getattr(fn, "__code__", None)
