@@ -73,11 +73,9 @@ def is_checkpoint(obj: Any) -> bool:
 
 def _instance_attribute(owner: Any, name: str) -> Any:
     """``owner.name`` without running properties or ``__getattr__`` side effects where avoidable."""
-    found = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-    if found is not _MISSING:
-        return found
-    for store in _compat.modules.MODULE_STORES:
-        found = owner.__dict__.get(store, {}).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+    own = owner.__dict__ if hasattr(owner, "__dict__") else {}
+    for mapping in (own, *(own.get(store, {}) for store in _compat.modules.MODULE_STORES)):
+        found = mapping.get(name, _MISSING)
         if found is not _MISSING:
             return found
     for cls in type(owner).__mro__:
@@ -94,7 +92,7 @@ def _instance_attribute(owner: Any, name: str) -> Any:
 def _attribute(obj: Any, name: str) -> Any:
     if obj is _MISSING:
         return _MISSING
-    if isinstance(obj, types.ModuleType) or isinstance(obj, type):
+    if isinstance(obj, (types.ModuleType, type)):
         return getattr(obj, name, _MISSING)
     return _instance_attribute(obj, name)
 
@@ -153,14 +151,9 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
         if op in _JUMPS:
             # ``if self.gradient_checkpointing and ...: return checkpoint(...)`` with the
             # flag off: that branch does not run now, and must not make the plan worse.
-            flag = current.value if isinstance(current, _Flag) else None
-            if (
-                flag is not None
-                and flag == _JUMPS[op]
-                and isinstance(name, int)
-                and name > instruction.offset
-            ):
-                dormant_until = name
+            target = name if isinstance(name, int) else -1
+            if isinstance(current, _Flag) and current.value == _JUMPS[op] and target > instruction.offset:
+                dormant_until = target
             current = _MISSING
             continue
         if op == "TO_BOOL":  # 3.13+: the test's value stays what it was
@@ -251,18 +244,14 @@ def known_traceable(context_fn: Any) -> bool:
     return factory is not None and getattr(context_fn, "func", None) is factory
 
 
-def _describe(value: Any) -> str:
-    return type(value).__name__
-
-
 def why_not_traceable(context_fn: Any, contexts: Any) -> str | None:
     """Why a traced checkpoint cannot take ``context_fn``, which returned ``contexts``; None when it can."""
-    name = getattr(context_fn, "__qualname__", None) or _describe(context_fn)
+    name = getattr(context_fn, "__qualname__", None) or type(context_fn).__name__
     if not (isinstance(contexts, tuple) and len(contexts) == 2):
-        return f"its context_fn ({name}) returns {_describe(contexts)}, not a pair of contexts"
+        return f"its context_fn ({name}) returns {type(contexts).__name__}, not a pair of contexts"
     if all(_compat.checkpoints.is_dispatch_mode(c) for c in contexts):
         return None
-    kinds = " and ".join(_describe(c) for c in contexts)
+    kinds = " and ".join(type(c).__name__ for c in contexts)
     return (
         f"its context_fn ({name}) returns {kinds}, not the two TorchDispatchModes a checkpoint "
         "inside a compiled graph requires"

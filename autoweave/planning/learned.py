@@ -128,22 +128,15 @@ def learn_breaks(target: Any, located: Mapping[int, str]) -> None:
     """Remember the forward code of each located module (ids from ``locate``) as breaking."""
     for module in target.modules():
         reason = located.get(id(module))
-        if reason is not None:
-            code = forward_code(module)
-            if code is not None:
-                run.learned_breaks.setdefault(code, reason)
+        if reason is not None and (code := forward_code(module)) is not None:
+            run.learned_breaks.setdefault(code, reason)
 
 
 def _breaks_under(target: Any) -> dict[int, str]:
-    learned = run.learned_breaks
+    learned = run.learned_breaks  # keyed by code objects only (never None: see learn_breaks)
     if not learned:
         return {}
-    found = {}
-    for module in target.modules():
-        code = forward_code(module)
-        if code is not None and code in learned:
-            found[id(module)] = learned[code]
-    return found
+    return {id(m): learned[code] for m in target.modules() if (code := forward_code(m)) in learned}
 
 
 # -- memory verdicts -----------------------------------------------------------------------
@@ -162,10 +155,8 @@ def learn_verdict(wrapper: Any, verdict: Verdict) -> None:
 
 def verdict_of(module: Any) -> Verdict | None:
     """What a block of ``module``'s kind was measured to hold (None: not measured yet)."""
-    if not run.learned_memory:
-        return None
-    key = kind(module)
-    return None if key is None else run.learned_memory.get(key)
+    # Keyed by kind only (learn_verdict keeps no None key); the check skips reading the kind.
+    return run.learned_memory.get(kind(module)) if run.learned_memory else None
 
 
 def hoist_reason(module: Any) -> str | None:
@@ -214,11 +205,11 @@ def locate(target: nn.Module, breaks: list[Break]) -> dict[int, str]:
     inside a module's forward wins. Several instances of one class all match
     (they run the same code).
     """
-    spans: list[tuple[tuple[str, int, int], nn.Module]] = []
-    for _, module in target.named_modules():
-        span = _span(forward_code(module))
-        if span is not None and not sources.torch_file(span[0]):  # wrappers' forwards are torch's
-            spans.append((span, module))
+    spans = [  # wrappers' forwards are torch's
+        (span, m)
+        for m in target.modules()
+        if (span := _span(forward_code(m))) is not None and not sources.torch_file(span[0])
+    ]
     found: dict[int, str] = {}
     for brk in breaks:
         for frame in sources.break_frames(brk):

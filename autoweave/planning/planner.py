@@ -313,10 +313,7 @@ def plan(
     places = tuple((path, source) for path, _ in found if (source := sources.boundary_source(target, path)))
 
     def plain(reason: str) -> Plan:
-        decision = Decision("", root_type, Action.PLAIN, reason)
-        return Plan(
-            root_type, False, mode, strategy, fullgraph, (decision,), found, sources=places, asked=strategy
-        )
+        return Plan.plain(root_type, mode, strategy, fullgraph, found, reason, places)
 
     if not found:
         return plain("no boundary inside: compiled as plain torch.compile would")
