@@ -31,6 +31,7 @@ from autoweave.planning.learned import Learned
 from autoweave.planning.plans import Action, CheckpointSpec, Decision, Plan
 
 _ONE_BY_ONE = "children compiled one by one"
+Moved = CheckpointSpec | None  # the AC moved into the pieces of every region below, or None
 
 
 class _Planner:
@@ -55,7 +56,7 @@ class _Planner:
         )
 
     # A module its parent calls eagerly (or the woven root): decide what it becomes.
-    def node(self, path: str, module: nn.Module, moved: CheckpointSpec | None, *, root: bool = False) -> None:
+    def node(self, path: str, module: nn.Module, moved: Moved, *, root: bool = False) -> None:
         module = unwrap(module)
         # The compile target's own hooks run outside its compiled call whatever
         # it is (an FSDP unit after `fully_shard(block)`), so it is never a
@@ -90,25 +91,16 @@ class _Planner:
             return "its forward loops over blocks holding boundaries"
         return None
 
-    def weave_children(
-        self, path: str, module: nn.Module, moved: CheckpointSpec | None, reason: str, **extra: Any
-    ) -> None:
+    def weave_children(self, path: str, module: nn.Module, moved: Moved, reason: str, **extra: Any) -> None:
         self.add(path, module, Action.WEAVE, reason, **extra)
         self.children(path, module, moved)
 
-    def children(self, path: str, module: nn.Module, moved: CheckpointSpec | None) -> None:
+    def children(self, path: str, module: nn.Module, moved: Moved) -> None:
         for child_path, child in walk(module, path):
             self.node(child_path, child, moved)
 
     def region(
-        self,
-        path: str,
-        module: nn.Module,
-        moved: CheckpointSpec | None,
-        action: Action,
-        reason: str,
-        *,
-        splits: bool = False,
+        self, path: str, module: nn.Module, moved: Moved, action: Action, reason: str, *, splits: bool = False
     ) -> None:
         if moved is not None:
             reason += f", each piece under {moved.describe()}"
@@ -124,7 +116,7 @@ class _Planner:
         )
 
     def boundary(
-        self, path: str, module: nn.Module, kind: str, moved: CheckpointSpec | None, *, opaque: bool = False
+        self, path: str, module: nn.Module, kind: str, moved: Moved, *, opaque: bool = False
     ) -> None:
         if boundaries.forward_disabled(module):
             self.add(path, module, Action.EAGER, f"{kind}: left eager as the user asked")
@@ -141,26 +133,15 @@ class _Planner:
             # forward, else the frames dynamo makes at the break run the class's shared
             # code, one cache for every kind, and a hook added later (which dynamo does
             # not guard on) never reaches the graphs of the hooked block's new region.
-            self.region(
-                path,
-                module,
-                moved,
-                Action.BOUNDARY,
-                f"{kind} → hooks stay eager, forward compiled",
-                splits=id(module) in self.tree.breaking,
-            )
+            reason = f"{kind} → hooks stay eager, forward compiled"
+            self.region(path, module, moved, Action.BOUNDARY, reason, splits=id(module) in self.tree.breaking)
         # A boundary inside a boundary: its own forward is planned like any module. One that
         # checkpoints in its own forward (HF's GradientCheckpointingLayer under FSDP2) keeps that
         # forward eager: a compile of it would trace the checkpoint, and the boundary inside makes
         # dynamo run the whole layer eager.
         elif not (hidden := _checkpoints_itself(module)) and not self.children_one_by_one:
-            self.split(
-                path,
-                module,
-                moved,
-                f"{kind} → hooks stay eager, forward compiled and split at nested boundaries",
-                action=Action.BOUNDARY,
-            )
+            reason = f"{kind} → hooks stay eager, forward compiled and split at nested boundaries"
+            self.split(path, module, moved, reason, action=Action.BOUNDARY)
         else:
             why = f"; its forward calls checkpoint: {_ONE_BY_ONE}" if hidden else ", inner planned below"
             reason = f"{kind} → hooks stay eager{why}"
@@ -172,7 +153,7 @@ class _Planner:
         path: str,
         module: nn.Module,
         spec: CheckpointSpec,
-        moved: CheckpointSpec | None,
+        moved: Moved,
         *,
         opaque: bool,
         unit: str | None = None,
@@ -194,24 +175,12 @@ class _Planner:
         )
         strategy = resolved.strategy
         self.resolved.add(strategy.name)
-        self.add(
-            path,
-            module,
-            strategy.action,
-            where + resolved.reason(spec),
-            opaque=opaque,
-            ac=spec,
-            measure=resolved.measure,
-        )
+        reason = where + resolved.reason(spec)
+        self.add(path, module, strategy.action, reason, opaque=opaque, ac=spec, measure=resolved.measure)
         if strategy is plans.HOIST:
             broken = self.tree.breaking.get(id(inner))
-            self.split(
-                inner_path,
-                inner,
-                moved,
-                "compiled under eager AC; dynamo splits it at the boundaries inside"
-                + (f" and at its own {broken}" if broken else ""),
-            )
+            reason = "compiled under eager AC; dynamo splits it at the boundaries inside"
+            self.split(inner_path, inner, moved, reason + (f" and at its own {broken}" if broken else ""))
         elif strategy is plans.PIECES:
             self.node(inner_path, inner, spec)
         elif self.tree.kind(inner) is None and self.tree.has_boundary_below(inner):
@@ -222,17 +191,12 @@ class _Planner:
             self.node(inner_path, inner, moved)
 
     def split(
-        self,
-        path: str,
-        module: nn.Module,
-        moved: CheckpointSpec | None,
-        reason: str,
-        action: Action = Action.SPLIT,
+        self, path: str, module: nn.Module, moved: Moved, reason: str, action: Action = Action.SPLIT
     ) -> None:
         self.region(path, module, moved, action, reason, splits=True)
         self.inside_split(path, module, moved)
 
-    def inside_split(self, path: str, module: nn.Module, moved: CheckpointSpec | None) -> None:
+    def inside_split(self, path: str, module: nn.Module, moved: Moved) -> None:
         # Descendants traced by a split region: boundaries break the graph by
         # themselves; checkpoints over a boundary must be kept out of the trace.
         for child_path, child in walk(module, path):
@@ -249,13 +213,8 @@ class _Planner:
             elif (spec := self.tree.ac_over_boundary(child)) is not None:
                 self.checkpointed(child_path, child, spec, moved, opaque=True)
             elif self.tree.has_boundary_below(child) and _checkpoints_itself(child):
-                self.weave_children(
-                    child_path,
-                    child,
-                    moved,
-                    f"kept out of the enclosing region; its forward calls checkpoint: {_ONE_BY_ONE}",
-                    opaque=True,
-                )
+                reason = f"kept out of the enclosing region; its forward calls checkpoint: {_ONE_BY_ONE}"
+                self.weave_children(child_path, child, moved, reason, opaque=True)
             elif self.tree.has_boundary_below(child):
                 self.inside_split(child_path, child, moved)
 
@@ -365,12 +324,8 @@ def plan(
         )
     if call_ac:
         planner.resolved.add(plans.HOIST.name)
-        planner.add(
-            "",
-            target,
-            Action.HOIST,
-            "its __call__ checkpoints: that AC stays eager around a compile of its forward",
-        )
+        reason = "its __call__ checkpoints: that AC stays eager around a compile of its forward"
+        planner.add("", target, Action.HOIST, reason)
     planner.node("", target, None, root=True)
     return planner.plan(root_type, mode, found, sources=places)
 
