@@ -141,7 +141,7 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
     importing: Any = _MISSING
     assigned: dict[str, Any] = {}  # locals bound to something resolved (``import ... as``, aliases)
     previous: Any = None
-    callees: list[tuple[Any, Any]] = []
+    callees: list[Any] = []  # user functions and bound methods (code_checkpoints reads a method's self)
     dormant_until = -1
     for instruction in dis.get_instructions(code):
         if instruction.offset < dormant_until:
@@ -202,14 +202,14 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
         if depth > 0 and callable(current):
             target = current.__func__ if isinstance(current, types.MethodType) else current
             if sources.user_function(target):
-                callees.append((current, owner if isinstance(current, types.MethodType) else None))
+                callees.append(current)
     for const in code.co_consts:
         if isinstance(const, types.CodeType) and id(const) not in seen:
             # Nested functions and lambdas: their globals are the enclosing function's.
             seen.add(id(const))
             if _read(const, fn, None, depth, seen):
                 return True
-    return any(code_checkpoints(c, o, depth=depth - 1, seen=seen) for c, o in callees)
+    return any(code_checkpoints(callee, depth=depth - 1, seen=seen) for callee in callees)
 
 
 def call_checkpoints(module: Any) -> bool:

@@ -193,9 +193,7 @@ def learn_context(context_fn: Any, verdict: str | None) -> None:
 
 def _span(code: Any) -> tuple[str, int, int] | None:
     lines = [line for _, _, line in code.co_lines() if line is not None] if hasattr(code, "co_lines") else []
-    if not lines:
-        return None
-    return os.path.abspath(code.co_filename), min(lines), max(lines)
+    return (os.path.abspath(code.co_filename), min(lines), max(lines)) if lines else None
 
 
 def locate(target: nn.Module, breaks: list[Break]) -> dict[int, str]:
