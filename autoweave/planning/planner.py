@@ -31,6 +31,7 @@ from autoweave.planning.learned import Learned
 from autoweave.planning.plans import Action, CheckpointSpec, Decision, Plan
 
 _ONE_BY_ONE = "children compiled one by one"
+_BOUNDARY_INSIDE = "boundary inside; own forward eager, "
 Moved = CheckpointSpec | None  # the AC moved into the pieces of every region below, or None
 
 
@@ -76,9 +77,7 @@ class _Planner:
             self.split(path, module, moved, "compiled; dynamo splits it at the boundaries inside")
         else:
             why = f"{shape}: " if shape else ""
-            self.weave_children(
-                path, module, moved, f"boundary inside; own forward eager, {why}{_ONE_BY_ONE}"
-            )
+            self.weave_children(path, module, moved, f"{_BOUNDARY_INSIDE}{why}{_ONE_BY_ONE}")
 
     def shape(self, module: nn.Module) -> str | None:
         """Why ``module`` (a boundary below it) cannot be one region that dynamo splits, or None."""
@@ -184,9 +183,7 @@ class _Planner:
         elif strategy is plans.PIECES:
             self.node(inner_path, inner, spec)
         elif self.tree.kind(inner) is None and self.tree.has_boundary_below(inner):
-            self.weave_children(
-                inner_path, inner, moved, f"boundary inside; own forward eager, {_ONE_BY_ONE}"
-            )
+            self.weave_children(inner_path, inner, moved, _BOUNDARY_INSIDE + _ONE_BY_ONE)
         else:
             self.node(inner_path, inner, moved)
 

@@ -26,11 +26,8 @@ class Source:
     forward: str | None  # "file:line" of ``def forward`` of the boundary's class
 
     def __str__(self) -> str:
-        parts = (
-            f"called at {self.call}" if self.call else "",
-            f"forward at {self.forward}" if self.forward else "",
-        )
-        return ", ".join(part for part in parts if part)
+        parts = (("called at", self.call), ("forward at", self.forward))
+        return ", ".join(f"{label} {where}" for label, where in parts if where)
 
     def as_dict(self) -> dict[str, str | None]:
         return {"call": self.call, "forward": self.forward}
