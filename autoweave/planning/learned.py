@@ -65,7 +65,6 @@ import threading
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import torch.nn as nn
@@ -79,7 +78,7 @@ _lock = threading.Lock()
 
 
 def _nothing() -> Mapping[int, str]:
-    return MappingProxyType({})
+    return types.MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -115,8 +114,8 @@ class Learned:
         verdicts (nothing is probed here).
         """
         return cls(
-            breaks=MappingProxyType({**_breaks_under(target), **(breaks or {})}),
-            measured=MappingProxyType(_measured_under(target)),
+            breaks=types.MappingProxyType({**_breaks_under(target), **(breaks or {})}),
+            measured=types.MappingProxyType(_measured_under(target)),
             untraceable=_nothing() if untraceable is None else untraceable,
         )
 

@@ -305,14 +305,12 @@ def plan(
         # MoE layer's graphs and the checkpoint failed (NeMo Automodel's DeepSeek-V3).
         # The same split, on code of its own per kind of block, keeps them apart.
         planner.resolved.add(outer.strategy.name)
-        planner.split(
-            "",
-            target,
-            None,
+        reason = (
             f"the AC around it stays eager, outside the compile ({outer.why}); compiled on code of its own "
             "per kind of block, split at the boundaries inside (plain torch.compile would share one dynamo "
-            "cache among every layer of its class, where a recompute can run another layer's graphs)",
+            "cache among every layer of its class, where a recompute can run another layer's graphs)"
         )
+        planner.split("", target, None, reason)
         return planner.plan(root_type, mode, found, sources=places)
     if mode == "auto" and not traced_ac and not fullgraph:
         return plain(

@@ -83,8 +83,7 @@ def _source_tree(code: types.CodeType) -> ast.FunctionDef | None:
         tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
     except (OSError, TypeError, SyntaxError):  # no source (exec, a frozen module), or not one def
         return None
-    node = tree.body[0] if tree.body else None
-    return node if isinstance(node, ast.FunctionDef) else None
+    return tree.body[0] if tree.body and isinstance(tree.body[0], ast.FunctionDef) else None
 
 
 class _Reader:
