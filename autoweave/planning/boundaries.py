@@ -61,11 +61,8 @@ def register_boundary(predicate: Predicate, *, name: str | None = None) -> Predi
 
 
 def _hooks_disabled(module: nn.Module) -> bool:
-    for hooks in _compat.modules.forward_hook_dicts(module):
-        for hook in hooks.values():
-            if _compat.dynamo.dynamo_disabled(hook):
-                return True
-    return False
+    hooks = (hook for found in _compat.modules.forward_hook_dicts(module) for hook in found.values())
+    return any(_compat.dynamo.dynamo_disabled(hook) for hook in hooks)
 
 
 def own_forward(module: nn.Module) -> Any:

@@ -73,11 +73,9 @@ def is_checkpoint(obj: Any) -> bool:
 
 def _instance_attribute(owner: Any, name: str) -> Any:
     """``owner.name`` without running properties or ``__getattr__`` side effects where avoidable."""
-    found = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-    if found is not _MISSING:
-        return found
-    for store in _compat.modules.MODULE_STORES:
-        found = owner.__dict__.get(store, {}).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+    own = owner.__dict__ if hasattr(owner, "__dict__") else {}
+    for mapping in (own, *(own.get(store, {}) for store in _compat.modules.MODULE_STORES)):
+        found = mapping.get(name, _MISSING)
         if found is not _MISSING:
             return found
     for cls in type(owner).__mro__:
@@ -94,7 +92,7 @@ def _instance_attribute(owner: Any, name: str) -> Any:
 def _attribute(obj: Any, name: str) -> Any:
     if obj is _MISSING:
         return _MISSING
-    if isinstance(obj, types.ModuleType) or isinstance(obj, type):
+    if isinstance(obj, (types.ModuleType, type)):
         return getattr(obj, name, _MISSING)
     return _instance_attribute(obj, name)
 
@@ -143,7 +141,7 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
     importing: Any = _MISSING
     assigned: dict[str, Any] = {}  # locals bound to something resolved (``import ... as``, aliases)
     previous: Any = None
-    callees: list[tuple[Any, Any]] = []
+    callees: list[Any] = []  # user functions and bound methods (code_checkpoints reads a method's self)
     dormant_until = -1
     for instruction in dis.get_instructions(code):
         if instruction.offset < dormant_until:
@@ -153,14 +151,9 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
         if op in _JUMPS:
             # ``if self.gradient_checkpointing and ...: return checkpoint(...)`` with the
             # flag off: that branch does not run now, and must not make the plan worse.
-            flag = current.value if isinstance(current, _Flag) else None
-            if (
-                flag is not None
-                and flag == _JUMPS[op]
-                and isinstance(name, int)
-                and name > instruction.offset
-            ):
-                dormant_until = name
+            target = name if isinstance(name, int) else -1
+            if isinstance(current, _Flag) and current.value == _JUMPS[op] and target > instruction.offset:
+                dormant_until = target
             current = _MISSING
             continue
         if op == "TO_BOOL":  # 3.13+: the test's value stays what it was
@@ -191,10 +184,7 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
                     builtins = globals_.get("__builtins__", {})
                     current = (builtins if isinstance(builtins, dict) else vars(builtins)).get(name, _MISSING)
             elif op in ("LOAD_DEREF", "LOAD_CLASSDEREF") and name in cells:
-                try:
-                    current = cells[name].cell_contents
-                except ValueError:  # an empty cell
-                    current = _MISSING
+                current = sources.cell_value(cells[name], _MISSING)
             elif op.startswith("LOAD_FAST") and name == self_name:
                 current = owner
         elif op in _ATTRIBUTE_LOADS:
@@ -212,14 +202,14 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
         if depth > 0 and callable(current):
             target = current.__func__ if isinstance(current, types.MethodType) else current
             if sources.user_function(target):
-                callees.append((current, owner if isinstance(current, types.MethodType) else None))
+                callees.append(current)
     for const in code.co_consts:
         if isinstance(const, types.CodeType) and id(const) not in seen:
             # Nested functions and lambdas: their globals are the enclosing function's.
             seen.add(id(const))
             if _read(const, fn, None, depth, seen):
                 return True
-    return any(code_checkpoints(c, o, depth=depth - 1, seen=seen) for c, o in callees)
+    return any(code_checkpoints(callee, depth=depth - 1, seen=seen) for callee in callees)
 
 
 def call_checkpoints(module: Any) -> bool:
@@ -254,18 +244,14 @@ def known_traceable(context_fn: Any) -> bool:
     return factory is not None and getattr(context_fn, "func", None) is factory
 
 
-def _describe(value: Any) -> str:
-    return type(value).__name__
-
-
 def why_not_traceable(context_fn: Any, contexts: Any) -> str | None:
     """Why a traced checkpoint cannot take ``context_fn``, which returned ``contexts``; None when it can."""
-    name = getattr(context_fn, "__qualname__", None) or _describe(context_fn)
+    name = getattr(context_fn, "__qualname__", None) or type(context_fn).__name__
     if not (isinstance(contexts, tuple) and len(contexts) == 2):
-        return f"its context_fn ({name}) returns {_describe(contexts)}, not a pair of contexts"
+        return f"its context_fn ({name}) returns {type(contexts).__name__}, not a pair of contexts"
     if all(_compat.checkpoints.is_dispatch_mode(c) for c in contexts):
         return None
-    kinds = " and ".join(_describe(c) for c in contexts)
+    kinds = " and ".join(type(c).__name__ for c in contexts)
     return (
         f"its context_fn ({name}) returns {kinds}, not the two TorchDispatchModes a checkpoint "
         "inside a compiled graph requires"

@@ -65,7 +65,6 @@ import threading
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import torch.nn as nn
@@ -79,7 +78,7 @@ _lock = threading.Lock()
 
 
 def _nothing() -> Mapping[int, str]:
-    return MappingProxyType({})
+    return types.MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -115,8 +114,8 @@ class Learned:
         verdicts (nothing is probed here).
         """
         return cls(
-            breaks=MappingProxyType({**_breaks_under(target), **(breaks or {})}),
-            measured=MappingProxyType(_measured_under(target)),
+            breaks=types.MappingProxyType({**_breaks_under(target), **(breaks or {})}),
+            measured=types.MappingProxyType(_measured_under(target)),
             untraceable=_nothing() if untraceable is None else untraceable,
         )
 
@@ -128,22 +127,15 @@ def learn_breaks(target: Any, located: Mapping[int, str]) -> None:
     """Remember the forward code of each located module (ids from ``locate``) as breaking."""
     for module in target.modules():
         reason = located.get(id(module))
-        if reason is not None:
-            code = forward_code(module)
-            if code is not None:
-                run.learned_breaks.setdefault(code, reason)
+        if reason is not None and (code := forward_code(module)) is not None:
+            run.learned_breaks.setdefault(code, reason)
 
 
 def _breaks_under(target: Any) -> dict[int, str]:
-    learned = run.learned_breaks
+    learned = run.learned_breaks  # keyed by code objects only (never None: see learn_breaks)
     if not learned:
         return {}
-    found = {}
-    for module in target.modules():
-        code = forward_code(module)
-        if code is not None and code in learned:
-            found[id(module)] = learned[code]
-    return found
+    return {id(m): learned[code] for m in target.modules() if (code := forward_code(m)) in learned}
 
 
 # -- memory verdicts -----------------------------------------------------------------------
@@ -162,10 +154,8 @@ def learn_verdict(wrapper: Any, verdict: Verdict) -> None:
 
 def verdict_of(module: Any) -> Verdict | None:
     """What a block of ``module``'s kind was measured to hold (None: not measured yet)."""
-    if not run.learned_memory:
-        return None
-    key = kind(module)
-    return None if key is None else run.learned_memory.get(key)
+    # Keyed by kind only (learn_verdict keeps no None key); the check skips reading the kind.
+    return run.learned_memory.get(kind(module)) if run.learned_memory else None
 
 
 def hoist_reason(module: Any) -> str | None:
@@ -202,9 +192,7 @@ def learn_context(context_fn: Any, verdict: str | None) -> None:
 
 def _span(code: Any) -> tuple[str, int, int] | None:
     lines = [line for _, _, line in code.co_lines() if line is not None] if hasattr(code, "co_lines") else []
-    if not lines:
-        return None
-    return os.path.abspath(code.co_filename), min(lines), max(lines)
+    return (os.path.abspath(code.co_filename), min(lines), max(lines)) if lines else None
 
 
 def locate(target: nn.Module, breaks: list[Break]) -> dict[int, str]:
@@ -214,11 +202,11 @@ def locate(target: nn.Module, breaks: list[Break]) -> dict[int, str]:
     inside a module's forward wins. Several instances of one class all match
     (they run the same code).
     """
-    spans: list[tuple[tuple[str, int, int], nn.Module]] = []
-    for _, module in target.named_modules():
-        span = _span(forward_code(module))
-        if span is not None and not sources.torch_file(span[0]):  # wrappers' forwards are torch's
-            spans.append((span, module))
+    spans = [  # wrappers' forwards are torch's
+        (span, m)
+        for m in target.modules()
+        if (span := _span(forward_code(m))) is not None and not sources.torch_file(span[0])
+    ]
     found: dict[int, str] = {}
     for brk in breaks:
         for frame in sources.break_frames(brk):
@@ -337,12 +325,12 @@ def identity(value: Any, _depth: int = 0) -> Any:
     return id(value)
 
 
+_EMPTY = ("empty",)  # the key of a cell not filled yet
+
+
 def _captured(cell: Any, depth: int) -> Any:
-    try:
-        contents = cell.cell_contents
-    except ValueError:  # a cell not filled yet
-        return ("empty",)
-    return _captured_value(contents, depth)
+    contents = sources.cell_value(cell, _EMPTY)
+    return _EMPTY if contents is _EMPTY else _captured_value(contents, depth)
 
 
 def _captured_value(value: Any, depth: int) -> Any:

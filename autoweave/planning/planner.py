@@ -31,6 +31,8 @@ from autoweave.planning.learned import Learned
 from autoweave.planning.plans import Action, CheckpointSpec, Decision, Plan
 
 _ONE_BY_ONE = "children compiled one by one"
+_BOUNDARY_INSIDE = "boundary inside; own forward eager, "
+Moved = CheckpointSpec | None  # the AC moved into the pieces of every region below, or None
 
 
 class _Planner:
@@ -55,7 +57,7 @@ class _Planner:
         )
 
     # A module its parent calls eagerly (or the woven root): decide what it becomes.
-    def node(self, path: str, module: nn.Module, moved: CheckpointSpec | None, *, root: bool = False) -> None:
+    def node(self, path: str, module: nn.Module, moved: Moved, *, root: bool = False) -> None:
         module = unwrap(module)
         # The compile target's own hooks run outside its compiled call whatever
         # it is (an FSDP unit after `fully_shard(block)`), so it is never a
@@ -63,24 +65,19 @@ class _Planner:
         kind = None if root else self.tree.kind(module)
         if kind is not None:
             self.boundary(path, module, kind, moved)
-            return
-        if (spec := self.tree.ac_over_boundary(module)) is not None:
+        elif (spec := self.tree.ac_over_boundary(module)) is not None:
             self.checkpointed(path, module, spec, moved, opaque=False)
-            return
-        if is_container(module):
+        elif is_container(module):
             # ModuleList / ModuleDict have no forward: their parent calls the children.
             self.add(path, module, Action.EAGER, "container without a forward: children planned")
             self.children(path, module, moved)
-            return
-        if not self.tree.has_boundary_below(module):
+        elif not self.tree.has_boundary_below(module):
             self.region(path, module, moved, Action.COMPILE, "no boundary inside: compiled whole")
-            return
-        shape = self.shape(module)
-        if not self.children_one_by_one and shape is None:
+        elif (shape := self.shape(module)) is None and not self.children_one_by_one:
             self.split(path, module, moved, "compiled; dynamo splits it at the boundaries inside")
-            return
-        why = f"{shape}: " if shape else ""
-        self.weave_children(path, module, moved, f"boundary inside; own forward eager, {why}{_ONE_BY_ONE}")
+        else:
+            why = f"{shape}: " if shape else ""
+            self.weave_children(path, module, moved, f"{_BOUNDARY_INSIDE}{why}{_ONE_BY_ONE}")
 
     def shape(self, module: nn.Module) -> str | None:
         """Why ``module`` (a boundary below it) cannot be one region that dynamo splits, or None."""
@@ -93,25 +90,16 @@ class _Planner:
             return "its forward loops over blocks holding boundaries"
         return None
 
-    def weave_children(
-        self, path: str, module: nn.Module, moved: CheckpointSpec | None, reason: str, **extra: Any
-    ) -> None:
+    def weave_children(self, path: str, module: nn.Module, moved: Moved, reason: str, **extra: Any) -> None:
         self.add(path, module, Action.WEAVE, reason, **extra)
         self.children(path, module, moved)
 
-    def children(self, path: str, module: nn.Module, moved: CheckpointSpec | None) -> None:
+    def children(self, path: str, module: nn.Module, moved: Moved) -> None:
         for child_path, child in walk(module, path):
             self.node(child_path, child, moved)
 
     def region(
-        self,
-        path: str,
-        module: nn.Module,
-        moved: CheckpointSpec | None,
-        action: Action,
-        reason: str,
-        *,
-        splits: bool = False,
+        self, path: str, module: nn.Module, moved: Moved, action: Action, reason: str, *, splits: bool = False
     ) -> None:
         if moved is not None:
             reason += f", each piece under {moved.describe()}"
@@ -127,66 +115,50 @@ class _Planner:
         )
 
     def boundary(
-        self, path: str, module: nn.Module, kind: str, moved: CheckpointSpec | None, *, opaque: bool = False
+        self, path: str, module: nn.Module, kind: str, moved: Moved, *, opaque: bool = False
     ) -> None:
         if boundaries.forward_disabled(module):
             self.add(path, module, Action.EAGER, f"{kind}: left eager as the user asked")
-            return
-        if id(module) in self.tree.breaking and moved is not None:
+        elif id(module) in self.tree.breaking and moved is not None:
             # A break in its own forward: compiled, dynamo cuts it there, and each
             # piece carries the checkpoint (the children are traced inside).
             self.split(path, module, moved, f"{kind} → compiled, split there", action=Action.BOUNDARY)
-            return
-        if (spec := self.tree.ac_over_boundary(module)) is not None:
+        elif (spec := self.tree.ac_over_boundary(module)) is not None:
             # An AC wrapper that is itself an FSDP unit (AC, then fully_shard per
             # block): its hooks stay eager anyway; its checkpoint is planned as any.
             self.checkpointed(path, module, spec, moved, opaque=opaque, unit=kind)
-            return
-        if not self.tree.has_boundary_below(module):
+        elif not self.tree.has_boundary_below(module):
             # A break in its own forward splits the region: compiled from a copy of the
             # forward, else the frames dynamo makes at the break run the class's shared
             # code, one cache for every kind, and a hook added later (which dynamo does
             # not guard on) never reaches the graphs of the hooked block's new region.
-            self.region(
-                path,
-                module,
-                moved,
-                Action.BOUNDARY,
-                f"{kind} → hooks stay eager, forward compiled",
-                splits=id(module) in self.tree.breaking,
-            )
-            return
+            reason = f"{kind} → hooks stay eager, forward compiled"
+            self.region(path, module, moved, Action.BOUNDARY, reason, splits=id(module) in self.tree.breaking)
         # A boundary inside a boundary: its own forward is planned like any module. One that
         # checkpoints in its own forward (HF's GradientCheckpointingLayer under FSDP2) keeps that
         # forward eager: a compile of it would trace the checkpoint, and the boundary inside makes
         # dynamo run the whole layer eager.
-        hidden = _checkpoints_itself(module)
-        if not self.children_one_by_one and not hidden:
-            self.split(
-                path,
-                module,
-                moved,
-                f"{kind} → hooks stay eager, forward compiled and split at nested boundaries",
-                action=Action.BOUNDARY,
-            )
-            return
-        why = f"; its forward calls checkpoint: {_ONE_BY_ONE}" if hidden else ", inner planned below"
-        self.add(path, module, Action.BOUNDARY, f"{kind} → hooks stay eager{why}", opaque=opaque and hidden)
-        self.children(path, module, moved)
+        elif not (hidden := _checkpoints_itself(module)) and not self.children_one_by_one:
+            reason = f"{kind} → hooks stay eager, forward compiled and split at nested boundaries"
+            self.split(path, module, moved, reason, action=Action.BOUNDARY)
+        else:
+            why = f"; its forward calls checkpoint: {_ONE_BY_ONE}" if hidden else ", inner planned below"
+            reason = f"{kind} → hooks stay eager{why}"
+            self.add(path, module, Action.BOUNDARY, reason, opaque=opaque and hidden)
+            self.children(path, module, moved)
 
     def checkpointed(
         self,
         path: str,
         module: nn.Module,
         spec: CheckpointSpec,
-        moved: CheckpointSpec | None,
+        moved: Moved,
         *,
         opaque: bool,
         unit: str | None = None,
     ) -> None:
-        inner_path = (
-            f"{path}.{_compat.modules.CHECKPOINT_WRAPPED}" if path else _compat.modules.CHECKPOINT_WRAPPED
-        )
+        wrapped = _compat.modules.CHECKPOINT_WRAPPED
+        inner_path = f"{path}.{wrapped}" if path else wrapped
         inner = _compat.modules.checkpoint_wrapped(module)
         where = "kept out of the enclosing region, " if opaque else ""
         if unit is not None:
@@ -202,45 +174,26 @@ class _Planner:
         )
         strategy = resolved.strategy
         self.resolved.add(strategy.name)
-        self.add(
-            path,
-            module,
-            strategy.action,
-            where + resolved.reason(spec),
-            opaque=opaque,
-            ac=spec,
-            measure=resolved.measure,
-        )
+        reason = where + resolved.reason(spec)
+        self.add(path, module, strategy.action, reason, opaque=opaque, ac=spec, measure=resolved.measure)
         if strategy is plans.HOIST:
             broken = self.tree.breaking.get(id(inner))
-            self.split(
-                inner_path,
-                inner,
-                moved,
-                "compiled under eager AC; dynamo splits it at the boundaries inside"
-                + (f" and at its own {broken}" if broken else ""),
-            )
+            reason = "compiled under eager AC; dynamo splits it at the boundaries inside"
+            self.split(inner_path, inner, moved, reason + (f" and at its own {broken}" if broken else ""))
         elif strategy is plans.PIECES:
             self.node(inner_path, inner, spec)
         elif self.tree.kind(inner) is None and self.tree.has_boundary_below(inner):
-            self.weave_children(
-                inner_path, inner, moved, f"boundary inside; own forward eager, {_ONE_BY_ONE}"
-            )
+            self.weave_children(inner_path, inner, moved, _BOUNDARY_INSIDE + _ONE_BY_ONE)
         else:
             self.node(inner_path, inner, moved)
 
     def split(
-        self,
-        path: str,
-        module: nn.Module,
-        moved: CheckpointSpec | None,
-        reason: str,
-        action: Action = Action.SPLIT,
+        self, path: str, module: nn.Module, moved: Moved, reason: str, action: Action = Action.SPLIT
     ) -> None:
         self.region(path, module, moved, action, reason, splits=True)
         self.inside_split(path, module, moved)
 
-    def inside_split(self, path: str, module: nn.Module, moved: CheckpointSpec | None) -> None:
+    def inside_split(self, path: str, module: nn.Module, moved: Moved) -> None:
         # Descendants traced by a split region: boundaries break the graph by
         # themselves; checkpoints over a boundary must be kept out of the trace.
         for child_path, child in walk(module, path):
@@ -252,20 +205,13 @@ class _Planner:
                 self.add(child_path, child, Action.BOUNDARY, f"{kind} → the enclosing region splits there")
                 if self.tree.has_boundary_below(child):
                     self.inside_split(child_path, child, moved)
-                continue
-            if kind is not None:
+            elif kind is not None:
                 self.boundary(child_path, child, kind, moved, opaque=True)
-                continue
-            if (spec := self.tree.ac_over_boundary(child)) is not None:
+            elif (spec := self.tree.ac_over_boundary(child)) is not None:
                 self.checkpointed(child_path, child, spec, moved, opaque=True)
             elif self.tree.has_boundary_below(child) and _checkpoints_itself(child):
-                self.weave_children(
-                    child_path,
-                    child,
-                    moved,
-                    f"kept out of the enclosing region; its forward calls checkpoint: {_ONE_BY_ONE}",
-                    opaque=True,
-                )
+                reason = f"kept out of the enclosing region; its forward calls checkpoint: {_ONE_BY_ONE}"
+                self.weave_children(child_path, child, moved, reason, opaque=True)
             elif self.tree.has_boundary_below(child):
                 self.inside_split(child_path, child, moved)
 
@@ -315,31 +261,26 @@ def plan(
     tree = Tree(classify or boundaries.classify, learned or Learned())
     target = unwrap(module)
     found = tuple(
-        (name, tree.kind(m) or "")
+        (name, kind)
         for name, m in target.named_modules()
-        if m is not target and tree.kind(m) is not None
+        if m is not target and (kind := tree.kind(m)) is not None
     )
     root_type = type(target).__name__
     places = tuple((path, source) for path, _ in found if (source := sources.boundary_source(target, path)))
 
     def plain(reason: str) -> Plan:
-        decision = Decision("", root_type, Action.PLAIN, reason)
-        return Plan(
-            root_type, False, mode, strategy, fullgraph, (decision,), found, sources=places, asked=strategy
-        )
+        return Plan.plain(root_type, mode, strategy, fullgraph, found, reason, places)
 
     if not found:
         return plain("no boundary inside: compiled as plain torch.compile would")
     if mode == "off":
         return plain("weaving is off (mode=off): compiled as plain torch.compile would")
     planner = _Planner(tree, strategy, fullgraph, children_one_by_one=children_one_by_one)
-    outer = (
-        None
-        if outer_ac is None
-        else plans.resolve_outer(
+    outer = None
+    if outer_ac is not None:
+        outer = plans.resolve_outer(
             outer_ac, asked=strategy, untraceable=lambda: tree.untraceable.get(id(outer_ac.checkpoint_fn))
         )
-    )
     if outer is not None and outer.strategy is plans.PIECES:
         # AC outside the compile: plain torch splits at the boundary, but an eager
         # selective policy around compiled code sees inductor's kernels, not the
@@ -355,7 +296,7 @@ def plan(
     # torch.compile(layer) traces that checkpoint; the dispatcher runs __call__ eagerly.
     call_ac = call_traced and own_spec is None and checkpoint_calls.call_checkpoints(target)
     traced_ac = own_spec is not None or call_ac or tree.traced_ac_over_boundary(target)
-    if outer is not None and outer_ac is not None and not outer_ac.reentrant and not traced_ac:
+    if outer_ac is not None and not outer_ac.reentrant and not traced_ac:
         # AC that stays outside an in-place compile (full AC; a custom checkpoint_fn; a
         # context_fn a traced checkpoint cannot take): plain torch.compile splits the graph
         # at the boundaries, but compiles on the class's shared code, so one dynamo cache
@@ -364,14 +305,12 @@ def plan(
         # MoE layer's graphs and the checkpoint failed (NeMo Automodel's DeepSeek-V3).
         # The same split, on code of its own per kind of block, keeps them apart.
         planner.resolved.add(outer.strategy.name)
-        planner.split(
-            "",
-            target,
-            None,
+        reason = (
             f"the AC around it stays eager, outside the compile ({outer.why}); compiled on code of its own "
             "per kind of block, split at the boundaries inside (plain torch.compile would share one dynamo "
-            "cache among every layer of its class, where a recompute can run another layer's graphs)",
+            "cache among every layer of its class, where a recompute can run another layer's graphs)"
         )
+        planner.split("", target, None, reason)
         return planner.plan(root_type, mode, found, sources=places)
     if mode == "auto" and not traced_ac and not fullgraph:
         return plain(
@@ -380,12 +319,8 @@ def plan(
         )
     if call_ac:
         planner.resolved.add(plans.HOIST.name)
-        planner.add(
-            "",
-            target,
-            Action.HOIST,
-            "its __call__ checkpoints: that AC stays eager around a compile of its forward",
-        )
+        reason = "its __call__ checkpoints: that AC stays eager around a compile of its forward"
+        planner.add("", target, Action.HOIST, reason)
     planner.node("", target, None, root=True)
     return planner.plan(root_type, mode, found, sources=places)
 
@@ -445,12 +380,10 @@ def calls_checkpoint(module: nn.Module) -> bool:
 def traces_checkpoint(module: nn.Module, *, call_traced: bool = True) -> bool:
     """Would a compile of ``module`` trace some checkpoint (where a break would cost the region)?"""
     target = unwrap(module)
-    if call_traced and checkpoint_calls.call_checkpoints(target):
-        return True
     return any(
         checkpoint_spec(m) is not None
         or calls_checkpoint(m)
-        or (m is not target and checkpoint_calls.call_checkpoints(m))
+        or ((call_traced or m is not target) and checkpoint_calls.call_checkpoints(m))
         for m in target.modules()
     )
 

@@ -109,24 +109,19 @@ class Plan:
         return [d for d in self.decisions if d.region]
 
     def decision(self, path: str) -> Decision | None:
-        for d in self.decisions:
-            if d.path == path:
-                return d
-        return None
+        return next((d for d in self.decisions if d.path == path), None)
+
+    @classmethod
+    def plain(
+        cls, root: str, mode: str, asked: str, fullgraph: bool, found: tuple, reason: str, places: tuple = ()
+    ) -> Plan:
+        """A plan that compiles the root (of type ``root``) as plain torch.compile would, saying why."""
+        decision = Decision("", root, Action.PLAIN, reason)
+        return cls(root, False, mode, asked, fullgraph, (decision,), found, sources=places, asked=asked)
 
     def plain_instead(self, reason: str) -> Plan:
         """This plan given up for plain torch.compile (the weave failed), saying why."""
-        decision = Decision("", self.root_type, Action.PLAIN, reason)
-        return Plan(
-            self.root_type,
-            False,
-            self.mode,
-            self.asked,
-            self.fullgraph,
-            (decision,),
-            self.boundaries,
-            asked=self.asked,
-        )
+        return Plan.plain(self.root_type, self.mode, self.asked, self.fullgraph, self.boundaries, reason)
 
     def shown_strategy(self) -> str:
         """``pieces`` when that was asked and runs; ``auto -> pieces`` when it was resolved from another."""
@@ -175,10 +170,6 @@ class Resolved:
         return f"{spec.describe()} {self.strategy.does}" + (f" ({self.why})" if self.why else "")
 
 
-def _unknown() -> str | None:
-    return None
-
-
 def resolve(
     spec: CheckpointSpec,
     *,
@@ -187,7 +178,7 @@ def resolve(
     children_one_by_one: bool = False,
     shape: str | None = None,
     measured: str | None = None,
-    untraceable: Callable[[], str | None] = _unknown,
+    untraceable: Callable[[], str | None] = lambda: None,
 ) -> Resolved:
     """The strategy for an AC wrapper inside the compile: every rule, whatever was asked.
 
@@ -242,7 +233,7 @@ def resolve(
 
 
 def resolve_outer(
-    spec: CheckpointSpec, *, asked: str, untraceable: Callable[[], str | None] = _unknown
+    spec: CheckpointSpec, *, asked: str, untraceable: Callable[[], str | None] = lambda: None
 ) -> Resolved:
     """The strategy for an AC wrapper around an in-place compile (``checkpoint_wrapper(torch.compile(b))``).
 

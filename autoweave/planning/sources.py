@@ -26,12 +26,8 @@ class Source:
     forward: str | None  # "file:line" of ``def forward`` of the boundary's class
 
     def __str__(self) -> str:
-        parts = []
-        if self.call:
-            parts.append(f"called at {self.call}")
-        if self.forward:
-            parts.append(f"forward at {self.forward}")
-        return ", ".join(parts)
+        parts = (("called at", self.call), ("forward at", self.forward))
+        return ", ".join(f"{label} {where}" for label, where in parts if where)
 
     def as_dict(self) -> dict[str, str | None]:
         return {"call": self.call, "forward": self.forward}
@@ -47,6 +43,14 @@ def _torch_dir() -> str:
 def torch_file(filename: str) -> bool:
     """Is ``filename`` under torch's install directory (a bare prefix: ``torchvision/`` counts too)?"""
     return os.path.abspath(filename).startswith(_torch_dir())
+
+
+def cell_value(cell: types.CellType, empty: Any = None) -> Any:
+    """What a closure cell holds, or ``empty`` for a cell not filled yet (reading never raises)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return empty
 
 
 def user_function(fn: Any) -> bool:
@@ -81,13 +85,15 @@ def break_frames(found: Break) -> list[Frame]:
     return frames
 
 
-def _code_of(fn: Any) -> Any:
+def _user_code(fn: Any) -> Any:
+    """The code of ``fn`` under its decorators, when it lies in a user file; else None."""
     fn = getattr(fn, "__func__", fn)
     for _ in range(8):  # functools.wraps chains (torch.compiler.disable, user decorators)
         if not hasattr(fn, "__wrapped__"):
             break
         fn = fn.__wrapped__
-    return getattr(fn, "__code__", None)
+    code = getattr(fn, "__code__", None)
+    return code if code is not None and is_user_file(code.co_filename) else None
 
 
 def _user_module(module: Any) -> Any:
@@ -119,11 +125,8 @@ def attribute_lines(code: Any) -> dict[str, int]:
 def forward_site(module: Any) -> str | None:
     """``file:line`` of the forward the user wrote for ``module`` (instance or class)."""
     module = _user_module(module)
-    forward = module.__dict__.get("forward") or type(module).forward
-    code = _code_of(forward)
-    if code is None or not is_user_file(code.co_filename):
-        return None
-    return f"{code.co_filename}:{code.co_firstlineno}"
+    code = _user_code(module.__dict__.get("forward") or type(module).forward)
+    return None if code is None else f"{code.co_filename}:{code.co_firstlineno}"
 
 
 def call_site(parent: Any, name: str) -> str | None:
@@ -133,14 +136,9 @@ def call_site(parent: Any, name: str) -> str | None:
     class's forward: the classes are searched in method resolution order.
     """
     parent = _user_module(parent)
-    forwards = [parent.__dict__.get("forward")] + [
-        cls.__dict__.get("forward") for cls in type(parent).__mro__
-    ]
-    for forward in forwards:
-        code = _code_of(forward) if forward is not None else None
-        if code is None or not is_user_file(code.co_filename):
-            continue
-        line = attribute_lines(code).get(name)
+    for owner in (parent, *type(parent).__mro__):
+        code = _user_code(owner.__dict__.get("forward"))
+        line = None if code is None else attribute_lines(code).get(name)
         if line is not None:
             return f"{code.co_filename}:{line}"
     return None
@@ -152,24 +150,14 @@ def source_dict(plan: Any, path: str) -> dict[str, str | None] | None:
     return source.as_dict() if source is not None else None
 
 
-def _user_parent(root: Any, path: str) -> tuple[Any, str] | None:
-    # The nearest ancestor that is not a torch wrapper, and the attribute it calls.
-    parts = path.split(".")
-    for cut in range(len(parts) - 1, -1, -1):
-        name = parts[cut]
-        if name in _compat.modules.WRAPPED_CHILD_ATTRS:
-            continue
-        parent = root.get_submodule(".".join(parts[:cut])) if cut else root
-        return parent, name
-    return None
-
-
 def boundary_source(root: Any, path: str) -> Source | None:
     """Where the boundary at ``path`` under ``root`` is called and defined; None if neither is user code."""
     try:
         module = root.get_submodule(path)
-        found = _user_parent(root, path)
-        call = call_site(*found) if found is not None else None
+        # The call is in the nearest ancestor that is not a torch wrapper, to the attribute below it.
+        parts = path.split(".")
+        user = [i for i, name in enumerate(parts) if name not in _compat.modules.WRAPPED_CHILD_ATTRS]
+        call = call_site(root.get_submodule(".".join(parts[: user[-1]])), parts[user[-1]]) if user else None
         source = Source(call, forward_site(module))
     except Exception:  # a best-effort annotation never fails planning
         return None

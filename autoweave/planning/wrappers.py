@@ -25,6 +25,7 @@ cannot find) mean: not a pass-through.
 from __future__ import annotations
 
 import ast
+import contextlib
 import enum
 import functools
 import inspect
@@ -32,6 +33,8 @@ import textwrap
 import types
 from collections.abc import Callable
 from typing import Any
+
+from autoweave.planning import sources
 
 
 class _Kind(enum.Enum):
@@ -59,19 +62,19 @@ def passes_call_on(wrapper: Callable[..., Any]) -> bool:
     code = getattr(wrapper, "__code__", None)
     if code is None or wrapped is None:
         return False
-    names = [
-        name
-        for name, cell in zip(code.co_freevars, wrapper.__closure__ or (), strict=False)
-        if _holds(cell, wrapped)
-    ]
-    return len(names) == 1 and _reads_as_pass_through(code, names[0], wrapper.__globals__)
-
-
-def _holds(cell: types.CellType, obj: Any) -> bool:
-    try:
-        return cell.cell_contents is obj
-    except ValueError:  # an empty cell
+    cells = zip(code.co_freevars, wrapper.__closure__ or (), strict=False)
+    names = [name for name, cell in cells if sources.cell_value(cell) is wrapped]
+    if len(names) != 1 or (node := _source_tree(code)) is None:
         return False
+    reader = _Reader(node, names[0], wrapper.__globals__)
+    with contextlib.suppress(_Computes):  # it does more than pass the call on
+        # Flow-insensitive: bindings only widen a name's kind, so a few passes reach the fixpoint.
+        for _ in range(8):
+            before = dict(reader.names)
+            reader.block(node.body)
+            if reader.names == before:
+                return True
+    return False
 
 
 @functools.lru_cache(maxsize=256)
@@ -80,25 +83,7 @@ def _source_tree(code: types.CodeType) -> ast.FunctionDef | None:
         tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
     except (OSError, TypeError, SyntaxError):  # no source (exec, a frozen module), or not one def
         return None
-    node = tree.body[0] if tree.body else None
-    return node if isinstance(node, ast.FunctionDef) else None
-
-
-def _reads_as_pass_through(code: types.CodeType, wrapped: str, globals_: dict[str, Any]) -> bool:
-    node = _source_tree(code)
-    if node is None:
-        return False
-    reader = _Reader(node, wrapped, globals_)
-    try:
-        # Flow-insensitive: bindings only widen a name's kind, so a few passes reach the fixpoint.
-        for _ in range(8):
-            before = dict(reader.names)
-            reader.block(node.body)
-            if reader.names == before:
-                return True
-    except _Computes:
-        return False
-    return False
+    return tree.body[0] if tree.body and isinstance(tree.body[0], ast.FunctionDef) else None
 
 
 class _Reader:
@@ -107,9 +92,7 @@ class _Reader:
         self.globals = globals_
         a = node.args
         self.names: dict[str, _Kind] = {p.arg: _Kind.VALUE for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
-        for pack in (a.vararg, a.kwarg):
-            if pack is not None:
-                self.names[pack.arg] = _Kind.PACK
+        self.names.update({pack.arg: _Kind.PACK for pack in (a.vararg, a.kwarg) if pack is not None})
 
     # -- statements --------------------------------------------------------------------------
     def block(self, body: list[ast.stmt]) -> None:
@@ -131,8 +114,11 @@ class _Reader:
             # ``message += "..."``: only on values that are not the call's
             self.clean(s.target, s.value)
             self.bind(s.target, _Kind.CLEAN)
-        elif isinstance(s, ast.Expr):
-            self.kind(s.value)
+        elif isinstance(s, (ast.Expr, ast.Raise, ast.Assert)):
+            for part in ast.iter_child_nodes(
+                s
+            ):  # the value; what is raised and its cause; the test, a message
+                self.kind(part)
         elif isinstance(s, (ast.If, ast.While)):
             self.kind(s.test)
             self.block(s.body)
@@ -160,14 +146,6 @@ class _Reader:
                 self.block(handler.body)
             self.block(s.orelse)
             self.block(s.finalbody)
-        elif isinstance(s, ast.Raise):
-            for part in (s.exc, s.cause):
-                if part is not None:
-                    self.kind(part)
-        elif isinstance(s, ast.Assert):
-            self.kind(s.test)
-            if s.msg is not None:
-                self.kind(s.msg)
         elif isinstance(s, ast.Delete):
             for target in s.targets:
                 self.bind(target, _Kind.CLEAN)
