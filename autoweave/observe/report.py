@@ -336,9 +336,7 @@ class _Stats:
 
     def region(self, label: str, kind: str) -> RegionStats:
         with self._lock:
-            if label not in self.regions:
-                self.regions[label] = RegionStats(label, kind)
-            return self.regions[label]
+            return self.regions.setdefault(label, RegionStats(label, kind))
 
     def name_regions(self, entry: summary.Entry) -> None:
         # A woven region is reported from its plan on; a plain compile once it is counted.
@@ -380,27 +378,20 @@ class _Stats:
         ]
         live = [r for r in regions if r["live"]]
         fallback_messages = Counter(m.strip().splitlines()[0] for m in self.fallbacks.messages if m.strip())
-        plans = []
         measured = {
             key: {"eager_gemms": g.eager, "compiled_graphs": g.compiled_graphs}
             for key, g in self.gemms.items()
         }
         # Modules whose every call offered to the measure ran under a stance that forces eager.
         unmeasured = {key: stance for key, stance in self.unmeasured.items() if key not in measured}
-        for key, entry in summary.keyed_entries():
-            plans.append(
-                {
-                    "name": entry.shown,
-                    "type": entry.type_name,
-                    "woven": entry.plan.woven,
-                    "mode": entry.plan.mode,
-                    "strategy": entry.plan.strategy,
-                    "summary": entry.plan.headline(),
-                    "decisions": summary.decision_records(entry),
-                    "region": None if entry.plan.woven else entry.plain_label,
-                    "measured": measured.get(key),
-                }
-            )
+        plans = [
+            {
+                **entry.record(entry.plan.headline()),
+                "region": None if entry.plan.woven else entry.plain_label,
+                "measured": measured.get(key),
+            }
+            for key, entry in summary.keyed_entries()
+        ]
         return {
             "autoweave": _settings.__version__,
             "torch": torch.__version__,
@@ -414,12 +405,8 @@ class _Stats:
             "totals": {
                 "modules": len(plans),
                 "woven": sum(1 for p in plans if p["woven"]),
-                "graphs": sum(r["graphs"] for r in live),
-                "ops": sum(r["ops"] for r in live),
-                "eager_graphs": sum(r["eager_graphs"] for r in live),
-                "eager_ops": sum(r["eager_ops"] for r in live),
-                "compile_s": round(sum(r["compile_s"] for r in live), 4),
-                "backend_s": round(sum(r["backend_s"] for r in live), 4),
+                **{key: sum(r[key] for r in live) for key in ("graphs", "ops", "eager_graphs", "eager_ops")},
+                **{key: round(sum(r[key] for r in live), 4) for key in ("compile_s", "backend_s")},
             },
             "dynamo": {
                 "unique_graphs": int(stats.get("unique_graphs", 0)),

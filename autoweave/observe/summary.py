@@ -59,9 +59,7 @@ def display_path(path: str) -> str:
 def join_path(name: str, path: str) -> str:
     """A decision's path shown under the compiled module's name (``layers.3.moe.experts``)."""
     shown = display_path(path)
-    if shown == "<root>":
-        return name or shown
-    return f"{name}.{shown}" if name else shown
+    return name or shown if shown == "<root>" else (f"{name}.{shown}" if name else shown)
 
 
 def region_notes(label: str | None) -> list[str]:
@@ -96,13 +94,13 @@ def _decision_lines(
         shown = display_path(decision.path)
         depth = 0 if shown == "<root>" else shown.count(".") + 1
         action = f"{_VERBS[decision.action]}: {decision.reason}"
-        status = region_ran((regions or {}).get(decision.path), ran) if decision.region else None
+        label = (regions or {}).get(decision.path)
+        status = region_ran(label, ran) if decision.region else None
         lines.append(
             f"{indent}{'  ' * depth}{join_path(name, decision.path)} [{decision.module_type}] "
             + (f"{status}; planned {action}" if status else action)
         )
-        for note in region_notes((regions or {}).get(decision.path)):
-            lines.append(f"{indent}{'  ' * (depth + 1)}note: {note}")
+        lines.extend(f"{indent}{'  ' * (depth + 1)}note: {note}" for note in region_notes(label))
     return lines
 
 
@@ -189,6 +187,18 @@ class Entry:
         counted = ", ".join(f"{n} of them {status}" for status, n in statuses.items())
         return self.plan.headline() + (f"; {counted}" if counted else "")
 
+    def record(self, summary: str) -> dict[str, Any]:
+        """What the report and the structured trace both write of this plan, ``summary`` its text (JSON-ready)."""
+        return {
+            "name": self.shown,
+            "type": self.type_name,
+            "woven": self.plan.woven,
+            "mode": self.plan.mode,
+            "strategy": self.plan.strategy,
+            "summary": summary,
+            "decisions": decision_records(self),
+        }
+
 
 def model_names() -> dict[tuple[str, int], str]:
     """How each model is named in front of its modules: nothing with one model, else its class (#index)."""
@@ -196,9 +206,7 @@ def model_names() -> dict[tuple[str, int], str]:
         models = {e.model for e in run.plans.values() if e.model is not None and e.name}
     if len(models) < 2:
         return {}
-    per_class: dict[str, int] = {}
-    for cls, _ in models:
-        per_class[cls] = per_class.get(cls, 0) + 1
+    per_class = Counter(cls for cls, _ in models)
     return {(cls, i): cls if per_class[cls] == 1 else f"{cls}#{i}" for cls, i in models}
 
 
@@ -251,10 +259,7 @@ def inner_type(module: Any) -> str:
 
 
 def _path_in(owner: Any, module: Any) -> str | None:
-    for name, child in owner.named_modules():
-        if child is module:
-            return name
-    return None
+    return next((name for name, child in owner.named_modules() if child is module), None)
 
 
 # Wrappers frameworks put around the user's model, and the attribute holding it: not part of
@@ -299,10 +304,9 @@ def _locate(target: Any, dispatcher: Any, frame: Any) -> tuple[str, Any]:
                     path = ".".join(p for p in (found, path) if p)
                     current = owner
         frame = frame.f_back
-    shown = display_path(path) if path else ""
-    if shown == display_path(""):  # only wrapper segments: no name but its type
-        return "", None
-    return shown, current if shown else None
+    shown = display_path(path)
+    # "<root>": no path, or only wrapper segments: no name but its type.
+    return ("", None) if shown == "<root>" else (shown, current)
 
 
 def _model_of(root: Any) -> tuple[str, int] | None:

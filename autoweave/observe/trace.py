@@ -62,13 +62,7 @@ def plan_payload(entry: summary.Entry) -> dict[str, Any]:
     """A recorded plan as the ``autoweave_plan`` artifact shows it."""
     plan = entry.plan
     return {
-        "name": entry.shown,
-        "type": entry.type_name,
-        "woven": plan.woven,
-        "mode": plan.mode,
-        "strategy": plan.strategy,
-        "summary": summary.format_plan(plan, name=entry.full_name, type_name=entry.type_name),
-        "decisions": summary.decision_records(entry),
+        **entry.record(summary.format_plan(plan, name=entry.full_name, type_name=entry.type_name)),
         "boundaries": [
             {
                 "path": summary.join_path(entry.full_name, path),
@@ -96,7 +90,7 @@ def emit_plan(entry: summary.Entry) -> None:
                     region["modules"].append(decision["path"])
                     region["decisions"].append(decision)
         _installs.install(_REGION_CALLBACK, lambda: listen(start=_on_compile_start))
-        _emit(PLAN_ARTIFACT, payload)
+        _compat.dynamo.trace_structured(PLAN_ARTIFACT, payload)
 
 
 def emit_region(label: str, *, code_name: str) -> None:
@@ -106,7 +100,7 @@ def emit_region(label: str, *, code_name: str) -> None:
         payload = dict(known) if known is not None else {"label": label, "modules": [], "decisions": []}
     payload["code"] = code_name
     payload["resume"] = code_name != label
-    _emit(REGION_ARTIFACT, payload)
+    _compat.dynamo.trace_structured(REGION_ARTIFACT, payload)
 
 
 def region_label(code_name: str) -> str | None:
@@ -123,10 +117,6 @@ def _on_compile_start(args: Any = None, *_: Any) -> None:
         label = region_label(code.co_name) if code is not None else None
         if label is not None:
             emit_region(label, code_name=code.co_name)
-
-
-def _emit(name: str, payload: dict[str, Any]) -> None:
-    _compat.dynamo.trace_structured(name, payload)
 
 
 Callback = Callable[..., None]
