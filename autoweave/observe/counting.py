@@ -89,11 +89,8 @@ class FallbackCounter:
     def __init__(self) -> None:
         self.messages: list[str] = []
         self.breaks: list[FallbackBreak] = []
-        self._fallbacks = _taps.listening(Fallback, self._on_fallback)
+        self._fallbacks = _taps.listening(Fallback, lambda fallback: self.messages.append(fallback.text))
         self._breaks = _taps.listening(FallbackBreak, self.breaks.append)
-
-    def _on_fallback(self, fallback: Fallback) -> None:
-        self.messages.append(fallback.text)
 
     @property
     def count(self) -> int:

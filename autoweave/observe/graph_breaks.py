@@ -54,8 +54,7 @@ def site_of(found: Break) -> str | None:
 
 def _heard(sites: list[BreakSite], found: GraphBreak) -> None:
     with guard("reading the place of a graph break", quiet=True):
-        site = site_of(found)
-        if site is not None:
+        if (site := site_of(found)) is not None:
             sites.append(BreakSite(site, found.reason, found.text, found.in_checkpoint))
 
 

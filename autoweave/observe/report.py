@@ -150,8 +150,7 @@ def _measuring(key: int) -> Callable[[], Callable[[Any], None] | None]:
             return None
 
         def after(out: Any) -> None:
-            found = counting.autograd_gemms(out, since)
-            if found is not None:
+            if (found := counting.autograd_gemms(out, since)) is not None:
                 _record("gemms", key, found)  # the plan entry's key (summary.keyed_entries)
 
         return after
@@ -230,7 +229,7 @@ class _Stats:
             self.fallbacks.install().uninstall,
             graph_breaks.listening(self.break_sites).start().stop,  # the user's line of each graph break
             # dynamo's recompile-limit warnings (any compile, autoweave's or not)
-            _taps.listening(RecompileLimit, self._on_limit).start().stop,
+            _taps.listening(RecompileLimit, lambda hit: self.limit_hits.append(hit.summary)).start().stop,
             # and the regions under an eager checkpoint that autoweave runs eager at the limit
             _events.subscribe(_events.AT_LIMIT, self._on_at_limit),
             # The dispatchers (``autoweave._events``): recorded plans name the regions, first-call
@@ -264,9 +263,6 @@ class _Stats:
         # Blocks now run eager under their checkpoint: measure the next call again.
         if dispatcher.state.value == _events.WOVEN:
             dispatcher.observe_next_call(_measuring(id(dispatcher)))
-
-    def _on_limit(self, hit: RecompileLimit) -> None:
-        self.limit_hits.append(hit.summary)
 
     def _on_at_limit(self, label: str) -> None:
         self.limit_hits.append(f"woven region {label} at the recompile limit: calls no graph fits run eager")
@@ -309,9 +305,7 @@ class _Stats:
 
     def _region_of(self, code: Any) -> RegionStats | None:
         """The woven region whose code (or a resume function of it) ``code`` is; None if none."""
-        if code is None:
-            return None
-        region = self.regions.get(_compat.dynamo.resumed_name(code.co_name))
+        region = self.regions.get(_compat.dynamo.resumed_name(code.co_name)) if code is not None else None
         return region if region is not None and region.kind == "woven" else None
 
     def _region_of_backend(self, backend: Any) -> RegionStats | None:
@@ -341,8 +335,7 @@ class _Stats:
     def name_regions(self, entry: summary.Entry) -> None:
         # A woven region is reported from its plan on; a plain compile once it is counted.
         regions = [(path, self.region(label, "woven")) for path, label in entry.regions.items()]
-        plain = self.regions.get(entry.plain_label) if entry.plain_label is not None else None
-        if plain is not None and not entry.plan.woven:
+        if not entry.plan.woven and (plain := self.regions.get(entry.plain_label)) is not None:
             regions.append(("", plain))
         for path, region in regions:
             shown = summary.join_path(entry.shown, path)

@@ -40,9 +40,7 @@ _REGIONS_SHOWN = 4  # the exit summary lists the regions slowest to compile, up 
 
 def report_path(template: str) -> str | None:
     """Where this rank writes: ``{rank}`` filled in; without it only rank 0 writes."""
-    if "{rank}" not in template and rank() != 0:
-        return None
-    return template.format(rank=rank())
+    return template.format(rank=rank()) if "{rank}" in template or rank() == 0 else None
 
 
 def write(data: dict[str, Any], path: str) -> None:
@@ -174,8 +172,7 @@ def _write_and_summarise(stats: _Stats) -> None:
     data = report.stop()
     if data is None or not anything:
         return
-    path = report_path(stats.path) if stats.path is not None else None
-    if path is not None:
+    if (path := report_path(stats.path)) is not None:  # at_exit calls only with a path
         try:
             write(data, path)
         except OSError as exc:

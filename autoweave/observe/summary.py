@@ -235,14 +235,12 @@ def format_summary(entries: list[Entry], *, covers: str = "") -> str:
     for members in groups.values():
         first = members[0]
         if not first.plan.woven:
-            names = _fold(members)
             count = f"{len(members)} × " if len(members) > 1 else ""
-            lines.append(f"  {names} ({count}{first.type_name}): {first.plan.headline()}")
+            lines.append(f"  {_fold(members)} ({count}{first.type_name}): {first.plan.headline()}")
             continue
         lines.append(f"  {first.shown} ({first.type_name}): {first.headline()}")
         lines.extend(_decision_lines(first.plan, first.full_name, "    ", first.regions, first.ran()))
-        if len(members) > 1:
-            rest = members[1:]
+        if rest := members[1:]:
             if all(m.name for m in rest):
                 lines.append(f"  {_fold(rest)} ({len(rest)} × {first.type_name}): same plan as {first.shown}")
             else:
@@ -297,12 +295,9 @@ def _locate(target: Any, dispatcher: Any, frame: Any) -> tuple[str, Any]:
                     # Called from a module holding it (a block compiled in place inside
                     # its checkpoint wrapper is first called from the wrapper's forward).
                     path, current = found, owner
-            else:
-                found = _path_in(owner, current)
-                if found:
-                    found = _without_framework_wrapper(owner, found)
-                    path = ".".join(p for p in (found, path) if p)
-                    current = owner
+            elif found := _path_in(owner, current):
+                path = ".".join(p for p in (_without_framework_wrapper(owner, found), path) if p)
+                current = owner
         frame = frame.f_back
     shown = display_path(path)
     # "<root>": no path, or only wrapper segments: no name but its type.

@@ -82,8 +82,7 @@ def emit_plan(entry: summary.Entry) -> None:
         payload = plan_payload(entry)
         with _lock:
             for decision in payload["decisions"]:
-                label = decision["region"]
-                if label is None:
+                if (label := decision["region"]) is None:
                     continue
                 region = run.trace_regions.setdefault(label, {"label": label, "modules": [], "decisions": []})
                 if decision["path"] not in region["modules"]:
@@ -96,10 +95,8 @@ def emit_plan(entry: summary.Entry) -> None:
 def emit_region(label: str, *, code_name: str) -> None:
     """Write what autoweave knows of region ``label``; called while dynamo compiles its code."""
     with _lock:
-        known = run.trace_regions.get(label)
-        payload = dict(known) if known is not None else {"label": label, "modules": [], "decisions": []}
-    payload["code"] = code_name
-    payload["resume"] = code_name != label
+        known = run.trace_regions.get(label) or {"label": label, "modules": [], "decisions": []}
+        payload = {**known, "code": code_name, "resume": code_name != label}
     _compat.dynamo.trace_structured(REGION_ARTIFACT, payload)
 
 
@@ -161,22 +158,18 @@ def listen(start: Callback | None = None, end: Callback | None = None) -> Undo:
             else None
         )
         with _callbacks_lock:
-            for entry in added:
-                if entry in _listening:
-                    _listening.remove(entry)
-                if handler is not None:
-                    _unregister(handler, *entry)
+            for kind, fn in added:
+                if (kind, fn) in _listening:
+                    _listening.remove((kind, fn))
+                # Not when a reset has taken it already.
+                if handler is not None and fn in getattr(handler, f"{kind}_callbacks"):
+                    getattr(handler, f"remove_{kind}_callback")(fn)
 
     return undo
 
 
 def _register(handler: Any, kind: str, fn: Callback) -> None:
     getattr(handler, f"register_{kind}_callback")(fn)
-
-
-def _unregister(handler: Any, kind: str, fn: Callback) -> None:
-    if fn in getattr(handler, f"{kind}_callbacks"):  # a reset may have taken it already
-        getattr(handler, f"remove_{kind}_callback")(fn)
 
 
 def _keep_across_resets(handler: Any) -> Undo | None:
