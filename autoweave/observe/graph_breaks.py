@@ -120,8 +120,7 @@ def register(settings: object) -> None:
     # even though the user asked nothing about autoweave.
     if TORCH_LOGS in os.environ and not internal.log_registry.is_log(ALIAS):
         _installs.install("torch log registry: the autoweave alias", lambda: _register_alias(internal))
-    level = requested_level()
-    if level is None:
+    if (level := requested_level()) is None:
         return
     own = _log.edit()
     if getattr(settings, "log_level", None) is not None:

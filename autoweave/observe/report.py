@@ -141,12 +141,11 @@ def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def _measuring(key: int) -> Callable[[], Callable[[Any], None] | None]:
     def before() -> Callable[[Any], None] | None:
-        stance = _compat.dynamo.eager_stance()
-        if stance is not None:  # runs eager by the user's choice: the next call is measured
+        # A stance that runs eager by the user's choice, or no grad: the next call is measured.
+        if (stance := _compat.dynamo.eager_stance()) is not None:
             _record("unmeasured", key, stance)
             return None
-        since = counting.autograd_mark()  # None without grad: the next call is measured
-        if since is None:
+        if (since := counting.autograd_mark()) is None:
             return None
 
         def after(out: Any) -> None:

@@ -52,8 +52,7 @@ _VERBS = {
 
 def display_path(path: str) -> str:
     """A plan path as the user names it (wrapper segments dropped, like state_dict keys)."""
-    cleaned = _WRAPPER_SEGMENTS.sub("", path).strip(".")
-    return cleaned or "<root>"
+    return _WRAPPER_SEGMENTS.sub("", path).strip(".") or "<root>"
 
 
 def join_path(name: str, path: str) -> str:
