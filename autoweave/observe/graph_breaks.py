@@ -82,8 +82,7 @@ def graph_break_sites(sites: list[BreakSite], reasons: Any) -> dict[str, list[st
     out: dict[str, list[str]] = {}
     for reason in reasons:
         first = reason.strip().splitlines()[0] if reason.strip() else ""
-        found = sorted({s.site for s in sites if first and first in s.text})
-        if found:
+        if found := sorted({s.site for s in sites if first and first in s.text}):
             out[reason] = found
     return out
 
