@@ -89,11 +89,8 @@ class FallbackCounter:
     def __init__(self) -> None:
         self.messages: list[str] = []
         self.breaks: list[FallbackBreak] = []
-        self._fallbacks = _taps.listening(Fallback, self._on_fallback)
+        self._fallbacks = _taps.listening(Fallback, lambda fallback: self.messages.append(fallback.text))
         self._breaks = _taps.listening(FallbackBreak, self.breaks.append)
-
-    def _on_fallback(self, fallback: Fallback) -> None:
-        self.messages.append(fallback.text)
 
     @property
     def count(self) -> int:
@@ -198,14 +195,13 @@ def autograd_gemms(outputs: Any, since: int) -> AutogradGemms | None:
     import torch
     import torch.fx as fx
 
-    roots: list[Any] = []
+    stack: list[Any] = []  # from the outputs' nodes
     fx.node.map_aggregate(
-        outputs, lambda v: roots.append(v.grad_fn) if isinstance(v, torch.Tensor) and v.grad_fn else None
+        outputs, lambda v: stack.append(v.grad_fn) if isinstance(v, torch.Tensor) and v.grad_fn else None
     )
     seen: set[int] = set()
     keep: list[Any] = []  # the nodes seen, alive while their ids are in ``seen``
     eager = compiled = 0
-    stack = list(roots)
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:

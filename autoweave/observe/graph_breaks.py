@@ -54,8 +54,7 @@ def site_of(found: Break) -> str | None:
 
 def _heard(sites: list[BreakSite], found: GraphBreak) -> None:
     with guard("reading the place of a graph break", quiet=True):
-        site = site_of(found)
-        if site is not None:
+        if (site := site_of(found)) is not None:
             sites.append(BreakSite(site, found.reason, found.text, found.in_checkpoint))
 
 
@@ -83,8 +82,7 @@ def graph_break_sites(sites: list[BreakSite], reasons: Any) -> dict[str, list[st
     out: dict[str, list[str]] = {}
     for reason in reasons:
         first = reason.strip().splitlines()[0] if reason.strip() else ""
-        found = sorted({s.site for s in sites if first and first in s.text})
-        if found:
+        if found := sorted({s.site for s in sites if first and first in s.text}):
             out[reason] = found
     return out
 
@@ -121,8 +119,7 @@ def register(settings: object) -> None:
     # even though the user asked nothing about autoweave.
     if TORCH_LOGS in os.environ and not internal.log_registry.is_log(ALIAS):
         _installs.install("torch log registry: the autoweave alias", lambda: _register_alias(internal))
-    level = requested_level()
-    if level is None:
+    if (level := requested_level()) is None:
         return
     own = _log.edit()
     if getattr(settings, "log_level", None) is not None:

@@ -141,17 +141,15 @@ def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def _measuring(key: int) -> Callable[[], Callable[[Any], None] | None]:
     def before() -> Callable[[Any], None] | None:
-        stance = _compat.dynamo.eager_stance()
-        if stance is not None:  # runs eager by the user's choice: the next call is measured
+        # A stance that runs eager by the user's choice, or no grad: the next call is measured.
+        if (stance := _compat.dynamo.eager_stance()) is not None:
             _record("unmeasured", key, stance)
             return None
-        since = counting.autograd_mark()  # None without grad: the next call is measured
-        if since is None:
+        if (since := counting.autograd_mark()) is None:
             return None
 
         def after(out: Any) -> None:
-            found = counting.autograd_gemms(out, since)
-            if found is not None:
+            if (found := counting.autograd_gemms(out, since)) is not None:
                 _record("gemms", key, found)  # the plan entry's key (summary.keyed_entries)
 
         return after
@@ -230,7 +228,7 @@ class _Stats:
             self.fallbacks.install().uninstall,
             graph_breaks.listening(self.break_sites).start().stop,  # the user's line of each graph break
             # dynamo's recompile-limit warnings (any compile, autoweave's or not)
-            _taps.listening(RecompileLimit, self._on_limit).start().stop,
+            _taps.listening(RecompileLimit, lambda hit: self.limit_hits.append(hit.summary)).start().stop,
             # and the regions under an eager checkpoint that autoweave runs eager at the limit
             _events.subscribe(_events.AT_LIMIT, self._on_at_limit),
             # The dispatchers (``autoweave._events``): recorded plans name the regions, first-call
@@ -264,9 +262,6 @@ class _Stats:
         # Blocks now run eager under their checkpoint: measure the next call again.
         if dispatcher.state.value == _events.WOVEN:
             dispatcher.observe_next_call(_measuring(id(dispatcher)))
-
-    def _on_limit(self, hit: RecompileLimit) -> None:
-        self.limit_hits.append(hit.summary)
 
     def _on_at_limit(self, label: str) -> None:
         self.limit_hits.append(f"woven region {label} at the recompile limit: calls no graph fits run eager")
@@ -309,9 +304,7 @@ class _Stats:
 
     def _region_of(self, code: Any) -> RegionStats | None:
         """The woven region whose code (or a resume function of it) ``code`` is; None if none."""
-        if code is None:
-            return None
-        region = self.regions.get(_compat.dynamo.resumed_name(code.co_name))
+        region = self.regions.get(_compat.dynamo.resumed_name(code.co_name)) if code is not None else None
         return region if region is not None and region.kind == "woven" else None
 
     def _region_of_backend(self, backend: Any) -> RegionStats | None:
@@ -336,15 +329,12 @@ class _Stats:
 
     def region(self, label: str, kind: str) -> RegionStats:
         with self._lock:
-            if label not in self.regions:
-                self.regions[label] = RegionStats(label, kind)
-            return self.regions[label]
+            return self.regions.setdefault(label, RegionStats(label, kind))
 
     def name_regions(self, entry: summary.Entry) -> None:
         # A woven region is reported from its plan on; a plain compile once it is counted.
         regions = [(path, self.region(label, "woven")) for path, label in entry.regions.items()]
-        plain = self.regions.get(entry.plain_label) if entry.plain_label is not None else None
-        if plain is not None and not entry.plan.woven:
+        if not entry.plan.woven and (plain := self.regions.get(entry.plain_label)) is not None:
             regions.append(("", plain))
         for path, region in regions:
             shown = summary.join_path(entry.shown, path)
@@ -380,27 +370,20 @@ class _Stats:
         ]
         live = [r for r in regions if r["live"]]
         fallback_messages = Counter(m.strip().splitlines()[0] for m in self.fallbacks.messages if m.strip())
-        plans = []
         measured = {
             key: {"eager_gemms": g.eager, "compiled_graphs": g.compiled_graphs}
             for key, g in self.gemms.items()
         }
         # Modules whose every call offered to the measure ran under a stance that forces eager.
         unmeasured = {key: stance for key, stance in self.unmeasured.items() if key not in measured}
-        for key, entry in summary.keyed_entries():
-            plans.append(
-                {
-                    "name": entry.shown,
-                    "type": entry.type_name,
-                    "woven": entry.plan.woven,
-                    "mode": entry.plan.mode,
-                    "strategy": entry.plan.strategy,
-                    "summary": entry.plan.headline(),
-                    "decisions": summary.decision_records(entry),
-                    "region": None if entry.plan.woven else entry.plain_label,
-                    "measured": measured.get(key),
-                }
-            )
+        plans = [
+            {
+                **entry.record(entry.plan.headline()),
+                "region": None if entry.plan.woven else entry.plain_label,
+                "measured": measured.get(key),
+            }
+            for key, entry in summary.keyed_entries()
+        ]
         return {
             "autoweave": _settings.__version__,
             "torch": torch.__version__,
@@ -414,12 +397,8 @@ class _Stats:
             "totals": {
                 "modules": len(plans),
                 "woven": sum(1 for p in plans if p["woven"]),
-                "graphs": sum(r["graphs"] for r in live),
-                "ops": sum(r["ops"] for r in live),
-                "eager_graphs": sum(r["eager_graphs"] for r in live),
-                "eager_ops": sum(r["eager_ops"] for r in live),
-                "compile_s": round(sum(r["compile_s"] for r in live), 4),
-                "backend_s": round(sum(r["backend_s"] for r in live), 4),
+                **{key: sum(r[key] for r in live) for key in ("graphs", "ops", "eager_graphs", "eager_ops")},
+                **{key: round(sum(r[key] for r in live), 4) for key in ("compile_s", "backend_s")},
             },
             "dynamo": {
                 "unique_graphs": int(stats.get("unique_graphs", 0)),

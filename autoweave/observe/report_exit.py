@@ -40,14 +40,11 @@ _REGIONS_SHOWN = 4  # the exit summary lists the regions slowest to compile, up 
 
 def report_path(template: str) -> str | None:
     """Where this rank writes: ``{rank}`` filled in; without it only rank 0 writes."""
-    if "{rank}" not in template and rank() != 0:
-        return None
-    return template.format(rank=rank())
+    return template.format(rank=rank()) if "{rank}" in template or rank() == 0 else None
 
 
 def write(data: dict[str, Any], path: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
@@ -59,9 +56,9 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
     """The one-screen summary rank 0 prints at exit."""
     totals, dyn, fallbacks = data["totals"], data["dynamo"], data["ac_fallbacks"]
     lines = [
-        f"autoweave report (rank {data['rank']} of {data['world_size']})" + (f" -> {path}" if path else "")
+        f"autoweave report (rank {data['rank']} of {data['world_size']})" + (f" -> {path}" if path else ""),
+        f"  modules planned: {totals['modules']}, woven: {totals['woven']}",
     ]
-    lines.append(f"  modules planned: {totals['modules']}, woven: {totals['woven']}")
     measured = data.get("measured") or {}
     unmeasured = "; ".join(
         f"every call of {count} module(s) ran under torch.compiler.set_stance('{stance}')"
@@ -113,21 +110,16 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
     for reason, count in dyn["graph_break_reasons"].items():
         reasons[reason.splitlines()[0][:100] if reason else "?"] += count
     for reason, count in reasons.most_common(3):
-        site = graph_breaks.first_site(
-            dyn.get("graph_break_sites", {}), reason
-        )  # autoweave/observe/graph_breaks.py
+        site = graph_breaks.first_site(dyn.get("graph_break_sites", {}), reason)
         lines.append(f"    break x{count}: {reason}{site}")
-    for hit in dyn["recompile_limit_hits"][:2]:
-        lines.append(f"    limit: {hit[:100]}")
-    swallowed = data.get("swallowed") or {}
-    if swallowed:
+    lines.extend(f"    limit: {hit[:100]}" for hit in dyn["recompile_limit_hits"][:2])
+    if swallowed := data.get("swallowed"):
         lines.append(
             f"  autoweave failed open {sum(swallowed.values())} time(s): "
             + ", ".join(f"[{slug}] x{n}" for slug, n in swallowed.items())
             + " (the warnings above say where; AUTOWEAVE_STRICT=1 raises instead)"
         )
-    around = fallbacks.get("woven_around", 0)
-    if around:
+    if around := fallbacks.get("woven_around", 0):
         lines.append(
             f"  {around} checkpointed region(s) fell back to eager at their first call only: autoweave "
             "located the break and compiles around it from the next call on"
@@ -137,8 +129,7 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
             f"  WARNING: {fallbacks['count'] - around} checkpointed region(s) fell back to eager "
             "(forward and recompute ran uncompiled)"
         )
-        for item in fallbacks["messages"][:2]:
-            lines.append(f"    x{item['count']}: {item['message'][:100]}")
+        lines.extend(f"    x{item['count']}: {item['message'][:100]}" for item in fallbacks["messages"][:2])
         if not totals["woven"] and not data.get("settings", {}).get("enabled"):
             lines.append(
                 "    these compiles were not woven: with AUTOWEAVE=1 (and outside autoweave.disabled()) "
@@ -177,14 +168,11 @@ def _quietly(what: str, step: Any, *args: Any) -> Any:
 
 
 def _write_and_summarise(stats: _Stats) -> None:
-    if not stats.compiled_anything():
-        report.stop()
-        return
+    anything = stats.compiled_anything()  # asked before the report stops
     data = report.stop()
-    if data is None:
+    if data is None or not anything:
         return
-    path = report_path(stats.path) if stats.path is not None else None
-    if path is not None:
+    if (path := report_path(stats.path)) is not None:  # at_exit calls only with a path
         try:
             write(data, path)
         except OSError as exc:

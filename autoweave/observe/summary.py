@@ -52,16 +52,13 @@ _VERBS = {
 
 def display_path(path: str) -> str:
     """A plan path as the user names it (wrapper segments dropped, like state_dict keys)."""
-    cleaned = _WRAPPER_SEGMENTS.sub("", path).strip(".")
-    return cleaned or "<root>"
+    return _WRAPPER_SEGMENTS.sub("", path).strip(".") or "<root>"
 
 
 def join_path(name: str, path: str) -> str:
     """A decision's path shown under the compiled module's name (``layers.3.moe.experts``)."""
     shown = display_path(path)
-    if shown == "<root>":
-        return name or shown
-    return f"{name}.{shown}" if name else shown
+    return name or shown if shown == "<root>" else (f"{name}.{shown}" if name else shown)
 
 
 def region_notes(label: str | None) -> list[str]:
@@ -96,13 +93,13 @@ def _decision_lines(
         shown = display_path(decision.path)
         depth = 0 if shown == "<root>" else shown.count(".") + 1
         action = f"{_VERBS[decision.action]}: {decision.reason}"
-        status = region_ran((regions or {}).get(decision.path), ran) if decision.region else None
+        label = (regions or {}).get(decision.path)
+        status = region_ran(label, ran) if decision.region else None
         lines.append(
             f"{indent}{'  ' * depth}{join_path(name, decision.path)} [{decision.module_type}] "
             + (f"{status}; planned {action}" if status else action)
         )
-        for note in region_notes((regions or {}).get(decision.path)):
-            lines.append(f"{indent}{'  ' * (depth + 1)}note: {note}")
+        lines.extend(f"{indent}{'  ' * (depth + 1)}note: {note}" for note in region_notes(label))
     return lines
 
 
@@ -189,6 +186,18 @@ class Entry:
         counted = ", ".join(f"{n} of them {status}" for status, n in statuses.items())
         return self.plan.headline() + (f"; {counted}" if counted else "")
 
+    def record(self, summary: str) -> dict[str, Any]:
+        """What the report and the structured trace both write of this plan, ``summary`` its text (JSON-ready)."""
+        return {
+            "name": self.shown,
+            "type": self.type_name,
+            "woven": self.plan.woven,
+            "mode": self.plan.mode,
+            "strategy": self.plan.strategy,
+            "summary": summary,
+            "decisions": decision_records(self),
+        }
+
 
 def model_names() -> dict[tuple[str, int], str]:
     """How each model is named in front of its modules: nothing with one model, else its class (#index)."""
@@ -196,9 +205,7 @@ def model_names() -> dict[tuple[str, int], str]:
         models = {e.model for e in run.plans.values() if e.model is not None and e.name}
     if len(models) < 2:
         return {}
-    per_class: dict[str, int] = {}
-    for cls, _ in models:
-        per_class[cls] = per_class.get(cls, 0) + 1
+    per_class = Counter(cls for cls, _ in models)
     return {(cls, i): cls if per_class[cls] == 1 else f"{cls}#{i}" for cls, i in models}
 
 
@@ -227,14 +234,12 @@ def format_summary(entries: list[Entry], *, covers: str = "") -> str:
     for members in groups.values():
         first = members[0]
         if not first.plan.woven:
-            names = _fold(members)
             count = f"{len(members)} × " if len(members) > 1 else ""
-            lines.append(f"  {names} ({count}{first.type_name}): {first.plan.headline()}")
+            lines.append(f"  {_fold(members)} ({count}{first.type_name}): {first.plan.headline()}")
             continue
         lines.append(f"  {first.shown} ({first.type_name}): {first.headline()}")
         lines.extend(_decision_lines(first.plan, first.full_name, "    ", first.regions, first.ran()))
-        if len(members) > 1:
-            rest = members[1:]
+        if rest := members[1:]:
             if all(m.name for m in rest):
                 lines.append(f"  {_fold(rest)} ({len(rest)} × {first.type_name}): same plan as {first.shown}")
             else:
@@ -251,10 +256,7 @@ def inner_type(module: Any) -> str:
 
 
 def _path_in(owner: Any, module: Any) -> str | None:
-    for name, child in owner.named_modules():
-        if child is module:
-            return name
-    return None
+    return next((name for name, child in owner.named_modules() if child is module), None)
 
 
 # Wrappers frameworks put around the user's model, and the attribute holding it: not part of
@@ -292,17 +294,13 @@ def _locate(target: Any, dispatcher: Any, frame: Any) -> tuple[str, Any]:
                     # Called from a module holding it (a block compiled in place inside
                     # its checkpoint wrapper is first called from the wrapper's forward).
                     path, current = found, owner
-            else:
-                found = _path_in(owner, current)
-                if found:
-                    found = _without_framework_wrapper(owner, found)
-                    path = ".".join(p for p in (found, path) if p)
-                    current = owner
+            elif found := _path_in(owner, current):
+                path = ".".join(p for p in (_without_framework_wrapper(owner, found), path) if p)
+                current = owner
         frame = frame.f_back
-    shown = display_path(path) if path else ""
-    if shown == display_path(""):  # only wrapper segments: no name but its type
-        return "", None
-    return shown, current if shown else None
+    shown = display_path(path)
+    # "<root>": no path, or only wrapper segments: no name but its type.
+    return ("", None) if shown == "<root>" else (shown, current)
 
 
 def _model_of(root: Any) -> tuple[str, int] | None:

@@ -62,13 +62,7 @@ def plan_payload(entry: summary.Entry) -> dict[str, Any]:
     """A recorded plan as the ``autoweave_plan`` artifact shows it."""
     plan = entry.plan
     return {
-        "name": entry.shown,
-        "type": entry.type_name,
-        "woven": plan.woven,
-        "mode": plan.mode,
-        "strategy": plan.strategy,
-        "summary": summary.format_plan(plan, name=entry.full_name, type_name=entry.type_name),
-        "decisions": summary.decision_records(entry),
+        **entry.record(summary.format_plan(plan, name=entry.full_name, type_name=entry.type_name)),
         "boundaries": [
             {
                 "path": summary.join_path(entry.full_name, path),
@@ -88,25 +82,22 @@ def emit_plan(entry: summary.Entry) -> None:
         payload = plan_payload(entry)
         with _lock:
             for decision in payload["decisions"]:
-                label = decision["region"]
-                if label is None:
+                if (label := decision["region"]) is None:
                     continue
                 region = run.trace_regions.setdefault(label, {"label": label, "modules": [], "decisions": []})
                 if decision["path"] not in region["modules"]:
                     region["modules"].append(decision["path"])
                     region["decisions"].append(decision)
         _installs.install(_REGION_CALLBACK, lambda: listen(start=_on_compile_start))
-        _emit(PLAN_ARTIFACT, payload)
+        _compat.dynamo.trace_structured(PLAN_ARTIFACT, payload)
 
 
 def emit_region(label: str, *, code_name: str) -> None:
     """Write what autoweave knows of region ``label``; called while dynamo compiles its code."""
     with _lock:
-        known = run.trace_regions.get(label)
-        payload = dict(known) if known is not None else {"label": label, "modules": [], "decisions": []}
-    payload["code"] = code_name
-    payload["resume"] = code_name != label
-    _emit(REGION_ARTIFACT, payload)
+        known = run.trace_regions.get(label) or {"label": label, "modules": [], "decisions": []}
+        payload = {**known, "code": code_name, "resume": code_name != label}
+    _compat.dynamo.trace_structured(REGION_ARTIFACT, payload)
 
 
 def region_label(code_name: str) -> str | None:
@@ -123,10 +114,6 @@ def _on_compile_start(args: Any = None, *_: Any) -> None:
         label = region_label(code.co_name) if code is not None else None
         if label is not None:
             emit_region(label, code_name=code.co_name)
-
-
-def _emit(name: str, payload: dict[str, Any]) -> None:
-    _compat.dynamo.trace_structured(name, payload)
 
 
 Callback = Callable[..., None]
@@ -171,22 +158,18 @@ def listen(start: Callback | None = None, end: Callback | None = None) -> Undo:
             else None
         )
         with _callbacks_lock:
-            for entry in added:
-                if entry in _listening:
-                    _listening.remove(entry)
-                if handler is not None:
-                    _unregister(handler, *entry)
+            for kind, fn in added:
+                if (kind, fn) in _listening:
+                    _listening.remove((kind, fn))
+                # Not when a reset has taken it already.
+                if handler is not None and fn in getattr(handler, f"{kind}_callbacks"):
+                    getattr(handler, f"remove_{kind}_callback")(fn)
 
     return undo
 
 
 def _register(handler: Any, kind: str, fn: Callback) -> None:
     getattr(handler, f"register_{kind}_callback")(fn)
-
-
-def _unregister(handler: Any, kind: str, fn: Callback) -> None:
-    if fn in getattr(handler, f"{kind}_callbacks"):  # a reset may have taken it already
-        getattr(handler, f"remove_{kind}_callback")(fn)
 
 
 def _keep_across_resets(handler: Any) -> Undo | None:
