@@ -132,6 +132,21 @@ def _sac_forward_mode() -> type | None:
     return find_optional("torch.utils.checkpoint._CachingTorchDispatchMode")
 
 
+@functools.cache
+def policy_sees_outputs() -> bool:
+    """Does torch's SAC call the policy with the op's output (``ctx.op_output``)?
+
+    torch 2.11 asks the policy before the op runs, without it (its context is
+    ``SelectiveCheckpointContext(*, is_recompute)``, seen on an H200); 2.13 passes
+    it. Without it, what eager SAC keeps cannot be sized.
+    """
+    context = find_optional("torch.utils.checkpoint.SelectiveCheckpointContext")
+    try:
+        return context is not None and hasattr(context(is_recompute=False), "op_output")
+    except Exception:  # a context built another way: cannot tell, so not sized
+        return False
+
+
 def observe_sac_policy(contexts: Any, observe: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
     """Swap the policy of torch's SAC forward context in ``contexts`` for ``observe(policy)``.
 

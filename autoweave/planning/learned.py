@@ -92,12 +92,14 @@ class Learned:
     checkpoints, by ``id`` of their ``checkpoint_fn``, whose ``context_fn`` a
     traced checkpoint cannot take, with why; it may be a lazy mapping that
     probes at its first lookup (``dispatch/plan_inputs``), so a plan that
-    looks nothing up calls no ``context_fn``.
+    looks nothing up calls no ``context_fn``. ``unmeasurable``: why no pieces can
+    be measured against eager selective AC on this torch, or None.
     """
 
     breaks: Mapping[int, str] = field(default_factory=_nothing)
     measured: Mapping[int, str] = field(default_factory=_nothing)
     untraceable: Mapping[int, str] = field(default_factory=_nothing)
+    unmeasurable: str | None = None
 
     @classmethod
     def for_target(
@@ -117,6 +119,7 @@ class Learned:
             breaks=types.MappingProxyType({**_breaks_under(target), **(breaks or {})}),
             measured=types.MappingProxyType(_measured_under(target)),
             untraceable=_nothing() if untraceable is None else untraceable,
+            unmeasurable=None if _compat.checkpoints.policy_sees_outputs() else UNMEASURABLE,
         )
 
 
@@ -226,6 +229,14 @@ def forward_code(module: nn.Module) -> Any:
     forward = boundaries.user_forward(module)
     return getattr(getattr(forward, "__func__", forward), "__code__", None)
 
+
+# Why ``auto`` plans selective AC with hoist from the start on a torch whose SAC policy
+# never sees an op's output: the first-call measure could not compare, and would only
+# compile the pieces to re-plan every block with hoist after them.
+UNMEASURABLE = (
+    "this torch's selective-AC policy is not shown the op's output (no op_output, as on torch 2.11), "
+    "so what pieces hold cannot be compared with eager selective AC"
+)
 
 # Pieces may hold this much more than eager SAC before the block is planned with hoist.
 TOLERANCE = 1.05

@@ -170,6 +170,7 @@ class _Planner:
             children_one_by_one=self.children_one_by_one,
             shape=None if self.tree.kind(inner) is not None else self.shape(inner),
             measured=self.tree.measured.get(id(module)),
+            unmeasurable=self.tree.unmeasurable,
             untraceable=lambda: self.tree.untraceable.get(id(spec.checkpoint_fn)),
         )
         strategy = resolved.strategy
@@ -411,6 +412,7 @@ class Tree:
         self.measured = learned.measured
         # Checkpoints (by id of their checkpoint_fn) whose context_fn a traced checkpoint cannot take.
         self.untraceable = learned.untraceable  # read lazily: a lookup may probe
+        self.unmeasurable = learned.unmeasurable
         self._kind: dict[int, str | None] = {}
         self._has: dict[int, bool] = {}
 

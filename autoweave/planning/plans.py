@@ -178,6 +178,7 @@ def resolve(
     children_one_by_one: bool = False,
     shape: str | None = None,
     measured: str | None = None,
+    unmeasurable: str | None = None,
     untraceable: Callable[[], str | None] = lambda: None,
 ) -> Resolved:
     """The strategy for an AC wrapper inside the compile: every rule, whatever was asked.
@@ -188,7 +189,8 @@ def resolve(
     splits (its forward loops over blocks holding boundaries, or calls
     checkpoint), or None. ``measured``: None when its pieces were never measured;
     else why they held more than eager selective AC would (``learned.Verdict``), or ""
-    when they did not. ``untraceable``: why its ``context_fn`` cannot run
+    when they did not. ``unmeasurable``: why no pieces can be measured on this
+    torch (``auto`` then plans hoist without trying them), or None. ``untraceable``: why its ``context_fn`` cannot run
     inside a compiled graph (``checkpoint_calls``), or None; called only where the
     answer matters, since the first call probes the user's ``context_fn``s.
     """
@@ -219,11 +221,11 @@ def resolve(
     why_not_traced = untraceable()
     if why_not_traced is not None:
         return Resolved(HOIST, f"{why_not_traced}: eager AC calls it as the wrapper does")
-    if asked == "auto" and measured:
+    if asked == "auto" and (measured or (unmeasurable and measured is None)):
+        why = f"measured: {measured}" if measured else unmeasurable
         return Resolved(
             HOIST,
-            f"measured: {measured}; eager AC around the compile holds at most eager SAC's; "
-            "strategy='pieces' keeps the pieces",
+            f"{why}; eager AC around the compile holds at most eager SAC's; strategy='pieces' keeps the pieces",
         )
     if spec.reentrant:
         return Resolved(CHILDREN_ONE_BY_ONE, "reentrant AC cannot be traced into the pieces")

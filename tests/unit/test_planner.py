@@ -414,6 +414,10 @@ _LOOPS = "its forward loops over blocks holding boundaries"
         (_SELECTIVE, "hoist", {}, "hoist", ""),
         (_SELECTIVE, "auto", {"measured": "0.6 MB"}, "hoist", "measured: 0.6 MB"),
         (_SELECTIVE, "pieces", {"measured": "0.6 MB"}, "pieces", ""),  # what was asked is kept
+        # A torch that cannot size eager SAC: hoist without trying pieces, unless asked for them.
+        (_SELECTIVE, "auto", {"unmeasurable": "no op_output"}, "hoist", "no op_output"),
+        (_SELECTIVE, "pieces", {"unmeasurable": "no op_output"}, "pieces", ""),
+        (_FULL, "auto", {"unmeasurable": "no op_output"}, "hoist", ""),
         (_SELECTIVE, "pieces", {"untraceable": "not two modes"}, "hoist", "not two modes"),
         (_CUSTOM, "auto", {}, "hoist", "custom checkpoint_fn"),
         (_CUSTOM, "pieces", {}, "hoist", "custom checkpoint_fn"),
