@@ -15,6 +15,7 @@ serves from its cache does not count. ``benchmarks/sac_memory.py`` prints the wh
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 import torch
@@ -109,19 +110,24 @@ def test_the_default_holds_at_most_eager_sac_memory_and_recomputes_no_more(block
     assert not any(isinstance(m.__dict__.get("forward"), FirstCall) for m in model.modules())
 
 
+def _hoisted_within_eager_sac(policy: str, backend: Any, why: str) -> None:
+    """The default on GlueGemmBlock holds at most 1.05x eager SAC's memory, planned with hoist for ``why``."""
+    eager = _run(_model(bm.GlueGemmBlock, policy))
+    torch._dynamo.reset()
+    model = _compiled(_model(bm.GlueGemmBlock, policy), backend)
+    got = _run(model)
+    assert got["held"] <= 1.05 * eager["held"], (got["held"], eager["held"])
+    torch.testing.assert_close(got["losses"], eager["losses"], rtol=1e-5, atol=1e-6)
+    root = dispatchers.dispatcher_of(model.layers[0]).plan.decision("")
+    assert root.action is Action.HOIST and why in root.reason, root.reason
+
+
 @pytest.mark.parametrize("policy", ["save-nothing", "save-matmuls"])
 def test_under_the_eager_backend_the_default_holds_at_most_eager_sac_memory(policy):
     # backend="eager" runs each piece's checkpoint operator as torch's eager checkpoint, whose own
     # hooks hide the piece's saves from the first-call measure: pieces read as light and stayed,
     # holding 1.16x eager SAC's memory (benchmarks/results/static_memory.md). Now unmeasurable: hoist.
-    eager = _run(_model(bm.GlueGemmBlock, policy))
-    torch._dynamo.reset()
-    model = _compiled(_model(bm.GlueGemmBlock, policy), "eager")
-    got = _run(model)
-    assert got["held"] <= 1.05 * eager["held"], (got["held"], eager["held"])
-    torch.testing.assert_close(got["losses"], eager["losses"], rtol=1e-5, atol=1e-6)
-    root = dispatchers.dispatcher_of(model.layers[0]).plan.decision("")
-    assert root.action is Action.HOIST and "its checkpoint eager" in root.reason, root.reason
+    _hoisted_within_eager_sac(policy, "eager", "its checkpoint eager")
 
 
 class _ContextWithoutOpOutput:
@@ -164,14 +170,7 @@ def test_where_this_torch_cannot_size_eager_sac_the_default_plans_hoist_at_once(
     # activations there, 2.9x here under the torchtitan-style policy. Measuring on such a torch
     # can only end in hoist, after compiling the pieces (a first step of 26.9 s against 5.3 s on
     # the H200): the default plans hoist from the start, compiling what hoist compiles.
-    eager = _run(_model(bm.GlueGemmBlock, policy))
-    torch._dynamo.reset()
-    model = _compiled(_model(bm.GlueGemmBlock, policy), "aot_eager")
-    got = _run(model)
-    assert got["held"] <= 1.05 * eager["held"], (got["held"], eager["held"])
-    torch.testing.assert_close(got["losses"], eager["losses"], rtol=1e-5, atol=1e-6)
-    root = dispatchers.dispatcher_of(model.layers[0]).plan.decision("")
-    assert root.action is Action.HOIST and "not shown the op's output" in root.reason, root.reason
+    _hoisted_within_eager_sac(policy, "aot_eager", "not shown the op's output")
     default, hoist = _graphs_of_default_and_hoist(policy)
     assert default == hoist, (default, hoist)
 
@@ -183,13 +182,7 @@ def test_where_a_measure_cannot_size_eager_sac_the_block_is_planned_with_hoist(m
 
     monkeypatch.setattr(torch.utils.checkpoint, "SelectiveCheckpointContext", _ContextWithoutOpOutput)
     monkeypatch.setattr(_compat.checkpoints, "policy_sees_outputs", lambda: True)
-    eager = _run(_model(bm.GlueGemmBlock, "torchtitan-style"))
-    torch._dynamo.reset()
-    model = _compiled(_model(bm.GlueGemmBlock, "torchtitan-style"), "aot_eager")
-    got = _run(model)
-    assert got["held"] <= 1.05 * eager["held"], (got["held"], eager["held"])
-    root = dispatchers.dispatcher_of(model.layers[0]).plan.decision("")
-    assert root.action is Action.HOIST and "could not be told" in root.reason, root.reason
+    _hoisted_within_eager_sac("torchtitan-style", "aot_eager", "could not be told")
 
 
 def test_a_policy_that_saves_the_matmuls_keeps_pieces():
