@@ -252,7 +252,8 @@ class CheckpointPieces:
         self.label = label  # the region's label: notes about its pieces are kept under it
         # Per checkpointed graph, the bytes its policy saved in its latest trace
         # (AOTAutograd may trace a graph more than once); None: cannot be told.
-        self._saved_by_policy: list[list[int | None]] = []
+        # What the policy saves in each piece, by the code dynamo compiled it from (``_traced_context_fn``).
+        self._saved_by_policy: dict[Any, list[int | None]] = {}
         self._graphs = 0
         self._raised: list[BaseException] = []  # raised by the user's context_fn or policy while tracing
         # Why each piece autoweave could not compile runs eager (its saves unmeasured).
@@ -325,9 +326,10 @@ class CheckpointPieces:
     @property
     def policy_saved_bytes(self) -> int | None:
         """Bytes of the outputs the user's policy saves in this region's checkpointed pieces, as traced."""
-        if self.context_fn is None or any(slot[0] is None for slot in self._saved_by_policy):
+        slots = self._saved_by_policy.values()
+        if self.context_fn is None or any(slot[0] is None for slot in slots):
             return None
-        return sum(slot[0] or 0 for slot in self._saved_by_policy)
+        return sum(slot[0] or 0 for slot in slots)
 
     @property
     def traced(self) -> bool:
@@ -363,7 +365,11 @@ class CheckpointPieces:
     def _traced_context_fn(self) -> Any:
         """The user's ``context_fn`` as the operator calls it while tracing one graph: its policy observed."""
         slot: list[int | None] = [0]
-        self._saved_by_policy.append(slot)
+        # One figure per piece of code: a graph compiled again from the same code (a
+        # recompile, another layer's values) runs instead of the one before, not beside
+        # it. Summed, both made eager SAC look heavier than it is, and pieces holding
+        # 1.25x its memory were kept (fuzzer seed 3551).
+        self._saved_by_policy[_compat.dynamo.code_being_compiled() or object()] = slot
 
         def context_fn() -> Any:
             contexts = self._users_call(self.context_fn)

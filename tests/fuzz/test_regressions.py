@@ -134,3 +134,33 @@ FIRST_CALL_UNDER_FORCE_EAGER = Case(
 
 def test_a_first_call_under_force_eager_leaves_the_memory_measure_to_the_next() -> None:
     assert _differences(FIRST_CALL_UNDER_FORCE_EAGER) == []
+
+
+# Seed 3551 (issue 33's long run), the smallest form that differs: one selective-AC block
+# (saves the matmuls) whose per-layer value applies tanh, a `.item()` break in the middle,
+# `dynamic=True`. dynamo compiled one piece twice from the same code; the measure summed the
+# policy's saves of both graphs as eager SAC's figure (90 KB against the true 72 KB), the
+# pieces' 90 KB looked no heavier, and pieces stayed: 1.12x plain torch's activation memory
+# (1.15x with the seed's three layers). A piece's code now counts once, its latest graph.
+PIECE_COMPILED_TWICE_UNDER_SAC = Case(
+    seed=3551,
+    layers=1,
+    value_type="enum",
+    value_place="argument",
+    values_differ=True,
+    brk="item",
+    break_at="middle",
+    ac="selective-matmuls",
+    form="model.compile()",
+    fullgraph=False,
+    strategy="auto",
+    decorator="none",
+    lengths="dynamic=True",
+    recompile_limit=2,
+    steps=4,
+    events=(),
+)
+
+
+def test_a_piece_compiled_twice_counts_once_in_eager_sacs_figure() -> None:
+    assert _differences(PIECE_COMPILED_TWICE_UNDER_SAC) == []
