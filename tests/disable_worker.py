@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch._dynamo.callback as dynamo_callback  # noqa: E402
+import torch._dynamo.output_graph as output_graph  # noqa: E402
 import torch._logging._internal as torch_logging  # noqa: E402
 import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as cw  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -123,6 +124,8 @@ def snapshot() -> dict[str, Any]:
         "FSDPState.init": _fsdp_state.FSDPState.__dict__["init"],
         "dynamo start callbacks": tuple(dynamo_callback.callback_handler.start_callbacks),
         "dynamo end callbacks": tuple(dynamo_callback.callback_handler.end_callbacks),
+        # Where the report hears dynamo hand each graph to its backend.
+        "OutputGraph.call_user_compiler": output_graph.OutputGraph.__dict__["call_user_compiler"],
         # Kept across torch._dynamo.reset() by a wrapper on the registry's clear (observe.trace).
         "dynamo callback registry's clear": dynamo_callback.callback_handler.__dict__.get("clear"),
         "torch log aliases": tuple(sorted(torch_logging.log_registry.log_alias_to_log_qnames)),

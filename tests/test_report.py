@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
-from autoweave import _log, _state
+from autoweave import _compat, _instances, _log, _state
 from autoweave._settings import Settings
 from autoweave.observe import report, report_exit, summary
 from benchmarks.measure import forward_gemms_outside_graphs
@@ -163,22 +163,35 @@ def test_fallback_detected_for_compiles_autoweave_did_not_route(weave_on) -> Non
     assert "WARNING" in report_exit.format_exit_summary(data, None)
 
 
-def test_plain_kwargs_are_unchanged_without_a_report() -> None:
-    kwargs = {"backend": "inductor", "mode": "max-autotune"}
-    assert report.plain_kwargs(nn.Linear(2, 2), kwargs) is kwargs
+def test_a_plain_compile_is_not_counted_without_a_report() -> None:
+    model = nn.Linear(2, 2)
+    report.count_plain(model, torch.compile(model, backend="eager"))
+    assert model not in _state.run.plain_labels
 
 
-def test_plain_kwargs_build_the_backend_torch_would(weave_on) -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch.compile", "module.compile"])
+def test_the_report_leaves_a_plain_compiles_backend_as_torch_built_it(weave_on, in_place: bool) -> None:
+    # A counting wrapper around the backend hid the inductor wrapper's public config (None).
+    mode = "max-autotune-no-cudagraphs"
+    expected = torch._TorchCompileInductorWrapper(mode, None, None).get_compiler_config()
     report.start(None)
-    out = report.plain_kwargs(
-        nn.Linear(2, 2), {"backend": "inductor", "mode": "max-autotune-no-cudagraphs", "fullgraph": True}
-    )
-    assert set(out) == {"backend", "fullgraph"}
-    inner = out["backend"].inner
-    assert isinstance(inner, torch._TorchCompileInductorWrapper)
-    assert inner == torch._TorchCompileInductorWrapper("max-autotune-no-cudagraphs", None, None)
-    filtered = report.plain_kwargs(nn.Linear(2, 2), {"backend": "eager", "options": {"guard_filter_fn": len}})
-    assert filtered["options"] == {"guard_filter_fn": len}
+    model = nn.Linear(4, 4)
+    if in_place:
+        model.compile(mode=mode)
+        compiled = _instances.dispatcher_of(model)._plain  # what nn.Module.compile made
+    else:
+        compiled = torch.compile(model, mode=mode)
+    assert compiled.get_compiler_config() == expected
+    assert type(_compat.dynamo.compile_wrapper_of(compiled)) is torch._TorchCompileInductorWrapper
+    # And the graphs dynamo hands a plain compile's own backend are counted under its region.
+    model = Small()
+    if in_place:
+        model.compile(backend="aot_eager")
+    else:
+        model = torch.compile(model, backend="aot_eager")
+    model(torch.randn(2, 8))
+    plain = [r for r in report.stop()["regions"] if r["kind"] == "plain" and r["graphs"]]
+    assert [(r["graphs"], r["ops"]) for r in plain] == [(1, 4)]
 
 
 class Small(nn.Module):

@@ -86,23 +86,6 @@ class ForwardsToInner:
         return getattr(self.inner, "_dynamo_backend_init", None)
 
 
-class BackendWrapper(ForwardsToInner):
-    """A backend around ``inner`` that dynamo treats as ``inner``: same name, equal when it is.
-
-    dynamo matches a frame's cached graphs to the current backend with ``==``;
-    torch builds a fresh ``_TorchCompileWrapper`` at every ``torch.compile`` and
-    shares graphs because equal ones compare equal. A wrapper per compile that
-    compared unequal would make identical layers compiled one by one recompile
-    their shared code until the recompile limit, then run eager.
-    """
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and bool(self.inner == other.inner)  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        return hash(type(self.inner))  # equal wrappers wrap equal backends, of one type
-
-
 def wrap_backend(kwargs: dict[str, Any], wrap: Any) -> dict[str, Any]:
     """``torch.compile`` kwargs whose backend is ``wrap(the callable torch would build)``.
 

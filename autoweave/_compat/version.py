@@ -152,7 +152,10 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
 
     return (
         ("torch._dynamo.eval_frame.OptimizedModule", modules.optimized_module),
-        ("OptimizedModule._orig_mod", lambda: _init_names(modules.optimized_module(), "_orig_mod")),
+        (
+            "OptimizedModule._orig_mod/dynamo_ctx",
+            lambda: _init_names(modules.optimized_module(), "_orig_mod", "dynamo_ctx"),
+        ),
         ("torch.nn.Module._compiled_call_impl", lambda: "_compiled_call_impl" in vars(torch.nn.Module)),
         in_source(f"dynamo's inline hook {dynamo.TRACE_AS!r}", "torch._dynamo.eval_frame", dynamo.TRACE_AS),
         (
@@ -181,6 +184,17 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
         has("torch._TorchCompileWrapper"),
         has("torch._dynamo.callback.callback_handler"),
         ("torch._dynamo.convert_frame._compile(code, ...)", _compile_code_argument),
+        (
+            "torch._dynamo.output_graph.OutputGraph.call_user_compiler(self, gm, example_inputs)",
+            lambda: (
+                list(
+                    inspect.signature(
+                        find(dynamo.HANDOFF_MODULE + ".OutputGraph").call_user_compiler
+                    ).parameters
+                )
+                == ["self", "gm", "example_inputs"]
+            ),
+        ),
         has("torch.nn.modules.module.register_module_module_registration_hook"),
         ("FSDP2's FSDPState.init/_pre_forward/_post_forward", _fsdp2_state),
         ("torch._logging._internal (log registry)", dynamo.torch_logging_internal),

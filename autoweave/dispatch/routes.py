@@ -52,7 +52,8 @@ def route_compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     _make_decorated_checkpoints_traceable(model)
     # torch's own compile first, outside any guard: what it rejects (a bad
     # backend, conflicting options) raises here, with torch's error, as without us.
-    compiled = wrapped(*args, **report.plain_kwargs(model, kwargs))
+    compiled = wrapped(*args, **kwargs)
+    report.count_plain(model, compiled)
     with guard(f"preparing the weave for {type(model).__name__}") as failed:
         _Dispatcher.attach_to_optimized(compiled, _compile_kwargs(args[1:], kwargs))
     if failed:
@@ -68,9 +69,8 @@ def route_module_compile(wrapped: Callable[..., Any], instance: Any, args: tuple
     _make_decorated_checkpoints_traceable(instance)
     # What nn.Module.compile does, done now and outside any guard: torch's
     # errors (a bad backend, conflicting options) raise at .compile(), as without us.
-    plain = _compile_function(
-        _compat.modules.call_impl(instance), **report.plain_kwargs(instance, compile_kwargs)
-    )
+    plain = _compile_function(_compat.modules.call_impl(instance), **compile_kwargs)
+    report.count_plain(instance, plain)
     with guard(f"preparing the weave for {type(instance).__name__}") as failed:
         dispatcher = _Dispatcher.attach_in_place(instance, compile_kwargs, plain)
         if (wrapper := _wrapper_of(instance)) is not None:

@@ -6,8 +6,8 @@ collects:
 
 - per compiled region (``RegionStats``): graphs, ops, compile time, recompiles.
   Woven regions' backends tell it each graph they compile
-  (``_events.GRAPH_COMPILED``); plain compiles are counted by a wrapper
-  (``plain_kwargs``).
+  (``_events.GRAPH_COMPILED``); a plain compile's graphs are counted as dynamo
+  hands them to its backend, which stays the one torch built (``count_plain``).
 - for every compile in the process, autoweave's or not, what dynamo signalled:
   its compile callbacks, the recompile-limit warnings, checkpointed regions
   that fell back to eager, and where graph breaks were (``observe.graph_breaks``).
@@ -36,6 +36,7 @@ import re
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,32 +51,6 @@ from autoweave.observe import counting, graph_breaks, summary, trace
 from autoweave.weave.pieces import CompiledGraph, RegionBackend, graph_name, ops_in
 
 # -- counting what compiled -----------------------------------------------------------------
-
-
-class _CountingPlain(_compat.backends.BackendWrapper):
-    """A plain compile's backend while reporting (a woven region's tells the report itself).
-
-    One wrapper per compile, so the counts go to its label; yet two compare equal
-    when the backends they wrap do (``BackendWrapper``): per-layer compiles of one
-    block share its graphs with the report on, as without it (unequal wrappers made
-    each layer recompile the shared code up to the recompile limit, then run eager).
-    A shared graph is counted once, under the label whose call compiled it.
-    """
-
-    def __init__(self, stats: _Stats, label: str, inner: Any) -> None:
-        super().__init__(inner)
-        # ``report_label``: the region a compile running on this backend counts under (``_region_of_backend``).
-        self._stats, self.report_label = stats, stats.region(label, "plain").label
-
-    def __call__(self, gm: Any, example_inputs: Any) -> Any:
-        ops, start = ops_in(gm), time.perf_counter()  # ops before the backend, which may rewrite gm
-        compiled = self.inner(gm, example_inputs)
-        seconds = time.perf_counter() - start
-        graph = CompiledGraph(
-            self.report_label, graph_name(gm), ops, getattr(compiled, RAN_EAGER, None), seconds
-        )
-        self._stats.on_graph(graph, kind="plain")
-        return compiled
 
 
 _stats: _Stats | None = None
@@ -116,27 +91,30 @@ def stop() -> dict[str, Any] | None:
     return data
 
 
-def plain_kwargs(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Kwargs for the plain compile of ``module`` that autoweave routes: counted when reporting.
+def count_plain(module: Any, compiled: Any) -> None:
+    """Count the graphs of ``compiled``, the plain ``torch.compile`` of ``module`` autoweave routes, when reporting.
 
-    The wrapper holds the very callable torch would build from ``backend``,
-    ``mode`` and ``options``: compiling through it is compiling as asked.
+    Nothing about the compile changes: the collector knows it by the backend
+    object torch built for it (``_compat.dynamo.compile_wrapper_of``) and counts the
+    graphs dynamo hands that backend.
     """
     stats = _stats
     if stats is None:
-        return kwargs
+        return
+    backend = _compat.dynamo.compile_wrapper_of(compiled)
+    if backend is None:
+        logger.debug(
+            "report: not counting the compile of %s (its backend is not found)", type(module).__name__
+        )
+        return
     with _lock:
         run.plain_count += 1
         label = f"plain_{type(module).__name__}_{run.plain_count}"
     try:
         run.plain_labels[module] = label
     except TypeError:
-        return kwargs
-    try:
-        return _compat.backends.wrap_backend(kwargs, lambda inner: _CountingPlain(stats, label, inner))
-    except Exception as exc:  # AOTInductor options, a torch without the wrappers
-        logger.debug("report: not counting %s (%s)", label, exc)
-        return kwargs
+        return
+    stats.count_plain(backend, stats.region(label, "plain"))
 
 
 def _measuring(key: int) -> Callable[[], Callable[[Any], None] | None]:
@@ -220,11 +198,14 @@ class _Stats:
         # id(dispatcher) -> the stance that made a call offered to the measure run eager (passed)
         self.unmeasured: dict[int, str] = {}
         self.break_sites: list[graph_breaks.BreakSite] = []  # where graph breaks were, in order
+        # id(backend torch built for a plain compile) -> (a weak reference to it, its region)
+        self._plain: dict[int, tuple[weakref.ref, RegionStats]] = {}
         self._undos: list[Callable[[], None]] = []
 
     def install(self) -> None:
         self._undos = [
             _events.subscribe(_events.GRAPH_COMPILED, self.on_graph),
+            _compat.dynamo.listen_to_graphs(self._on_plain_graph),
             self.fallbacks.install().uninstall,
             graph_breaks.listening(self.break_sites).start().stop,  # the user's line of each graph break
             # dynamo's recompile-limit warnings (any compile, autoweave's or not)
@@ -308,14 +289,36 @@ class _Stats:
         return region if region is not None and region.kind == "woven" else None
 
     def _region_of_backend(self, backend: Any) -> RegionStats | None:
-        """The region whose backend (a woven region's, or a plain compile's counting one) ``backend`` is."""
+        """The region whose backend (a woven region's, or one torch built for a plain compile) ``backend`` is."""
         for within in _compat.dynamo.backends_within(backend):
             if isinstance(within, RegionBackend):
                 return self.region(within.label, "woven")
-            label = getattr(within, "report_label", None)
-            if isinstance(label, str) and label in self.regions:
-                return self.regions[label]
+            ref, region = self._plain.get(id(within), (None, None))
+            if ref is not None and ref() is within:
+                return region
         return None
+
+    def count_plain(self, backend: Any, region: RegionStats) -> None:
+        with self._lock:
+            self._plain[id(backend)] = (weakref.ref(backend), region)
+
+    def _on_plain_graph(self, backend: Any, gm: Any) -> Callable[[Any, float], None] | None:
+        # dynamo hands ``backend`` a graph: counted here when it is a plain compile's.
+        try:
+            region = self._region_of_backend(backend)
+            if region is None or region.kind != "plain":
+                return None
+            name, ops = graph_name(gm), ops_in(gm)  # ops before the backend, which may rewrite gm
+        except Exception as exc:  # counting is the report's business, never the compile's
+            logger.debug("report: a plain graph went uncounted (%s)", exc)
+            return None
+
+        def compiled(out: Any, seconds: float) -> None:
+            self.on_graph(
+                CompiledGraph(region.label, name, ops, getattr(out, RAN_EAGER, None), seconds), "plain"
+            )
+
+        return compiled
 
     def on_graph(self, graph: CompiledGraph, kind: str = "woven") -> None:
         """A region's backend compiled a graph (or runs it eager): count it under its region."""

@@ -1,13 +1,10 @@
-"""Backends autoweave hands dynamo (a woven region's, the report's counting of a plain compile) look like
-the backend they hold: its name and its set-up hook."""
+"""The backend autoweave hands dynamo for a woven region looks like the backend it holds: its name and its
+set-up hook."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from autoweave import _compat
-from autoweave.observe import report
 from autoweave.weave.pieces import RegionBackend
 
 
@@ -22,27 +19,11 @@ def _init() -> None:  # pragma: no cover - never called here
 _backend._dynamo_backend_init = _init  # torch 2.15+: dynamo runs it at torch.compile()
 
 
-@pytest.mark.parametrize(
-    "wrap",
-    [
-        lambda inner: RegionBackend(inner, "region"),
-        lambda inner: report._CountingPlain(report._Stats(None), "region", inner),
-    ],
-    ids=["region-backend", "report-counting-plain"],
-)
-def test_a_wrapped_backend_keeps_its_name_and_set_up_hook(wrap) -> None:
-    wrapped = wrap(_backend)
+def test_a_wrapped_backend_keeps_its_name_and_set_up_hook() -> None:
+    wrapped = RegionBackend(_backend, "region")
     assert wrapped.__name__ == "_backend"
     assert wrapped._dynamo_backend_init is _init
-    assert wrap(lambda gm, inputs: gm)._dynamo_backend_init is None
-
-
-def test_plain_counting_wrappers_compare_equal_when_their_backends_do() -> None:
-    # Per-layer plain compiles of one block share their graphs with the report on (dynamo matches ==).
-    stats = report._Stats(None)
-    wrapped, again = report._CountingPlain(stats, "a", _backend), report._CountingPlain(stats, "b", _backend)
-    assert isinstance(wrapped, _compat.backends.BackendWrapper)
-    assert wrapped == again and hash(wrapped) == hash(again)
+    assert RegionBackend(lambda gm, inputs: gm, "region")._dynamo_backend_init is None
 
 
 def test_region_backends_are_equal_when_they_compile_alike() -> None:
