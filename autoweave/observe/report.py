@@ -101,20 +101,17 @@ def count_plain(module: Any, compiled: Any) -> None:
     stats = _stats
     if stats is None:
         return
-    backend = _compat.dynamo.compile_wrapper_of(compiled)
-    if backend is None:
-        logger.debug(
-            "report: not counting the compile of %s (its backend is not found)", type(module).__name__
-        )
-        return
     with _lock:
         run.plain_count += 1
         label = f"plain_{type(module).__name__}_{run.plain_count}"
-    try:
+    try:  # counting is the report's business: the compile goes on whatever happens here
+        backend = _compat.dynamo.compile_wrapper_of(compiled)
+        if backend is None:
+            raise LookupError("its backend is not found")
         run.plain_labels[module] = label
-    except TypeError:
-        return
-    stats.count_plain(backend, stats.region(label, "plain"))
+        stats.count_plain(backend, stats.region(label, "plain"))
+    except Exception as exc:
+        logger.debug("report: not counting %s (%s)", label, exc)
 
 
 def _measuring(key: int) -> Callable[[], Callable[[Any], None] | None]:
