@@ -82,9 +82,8 @@ def run_command(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         sys.stdout.write("usage: autoweave-run COMMAND [ARGS...]\n  runs COMMAND with AUTOWEAVE=1\n")
         return 0 if args else 2
+    # The installed start-up file (autoweave.pth) reads it in every Python the command starts.
     os.environ["AUTOWEAVE"] = "1"
-    # Make the checkout's sitecustomize shell reachable too, for interpreters
-    # that do not see the installed start-up file (e.g. a different venv's python -S).
     try:
         os.execvp(shutil.which(args[0]) or args[0], args)
     except OSError as exc:
