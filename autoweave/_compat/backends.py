@@ -47,8 +47,8 @@ def compile_backend(
 ) -> Any:
     """The backend callable ``torch.compile(..., backend=, mode=, options=)`` would build.
 
-    Lets the report wrap it (to count graphs) and hand ``torch.compile`` the
-    wrapper with ``mode``/``options`` removed, compiling exactly the same way.
+    Lets a woven region hold it in its own backend and hand ``torch.compile`` that
+    backend with ``mode``/``options`` removed, compiling exactly the same way.
     """
     if mode is None and options is None:
         mode = "default"

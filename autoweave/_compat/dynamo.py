@@ -273,7 +273,7 @@ def compile_wrapper_of(compiled: Any) -> Any:
         ctx = next((c.cell_contents for c in cells if hasattr(c.cell_contents, "callback")), None)
     wrappers = tuple(filter(None, map(find_optional, _COMPILE_WRAPPERS)))
     within = backends_within(getattr(ctx, "callback", None))
-    return next((b for b in within if wrappers and isinstance(b, wrappers)), None)
+    return next((b for b in within if isinstance(b, wrappers)), None)  # isinstance(b, ()) is False
 
 
 _COMPILE_WRAPPERS = ("torch._TorchCompileWrapper", "torch._TorchCompileInductorWrapper")

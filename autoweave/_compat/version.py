@@ -186,14 +186,7 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
         ("torch._dynamo.convert_frame._compile(code, ...)", _compile_code_argument),
         (
             "torch._dynamo.output_graph.OutputGraph.call_user_compiler(self, gm, example_inputs)",
-            lambda: (
-                list(
-                    inspect.signature(
-                        find(dynamo.HANDOFF_MODULE + ".OutputGraph").call_user_compiler
-                    ).parameters
-                )
-                == ["self", "gm", "example_inputs"]
-            ),
+            _handoff_arguments,
         ),
         has("torch.nn.modules.module.register_module_module_registration_hook"),
         ("FSDP2's FSDPState.init/_pre_forward/_post_forward", _fsdp2_state),
@@ -211,6 +204,12 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
 def _convert_frame_argument() -> bool:
     code = dynamo.convert_frame_call_code()
     return code is not None and "frame" in code.co_varnames[: code.co_argcount]
+
+
+def _handoff_arguments() -> bool:
+    owner = find_optional(f"{dynamo.HANDOFF_MODULE}.OutputGraph")
+    code = getattr(inspect.unwrap(getattr(owner, "call_user_compiler", None)), "__code__", None)
+    return code is not None and code.co_varnames[:3] == ("self", "gm", "example_inputs")
 
 
 @functools.cache

@@ -109,7 +109,7 @@ def count_plain(module: Any, compiled: Any) -> None:
         if backend is None:
             raise LookupError("its backend is not found")
         run.plain_labels[module] = label
-        stats.count_plain(backend, stats.region(label, "plain"))
+        stats.know_plain(backend, stats.region(label, "plain"))
     except Exception as exc:
         logger.debug("report: not counting %s (%s)", label, exc)
 
@@ -295,7 +295,8 @@ class _Stats:
                 return region
         return None
 
-    def count_plain(self, backend: Any, region: RegionStats) -> None:
+    def know_plain(self, backend: Any, region: RegionStats) -> None:
+        # ``backend``: the object torch built for a plain compile, known by identity (``_region_of_backend``).
         with self._lock:
             self._plain[id(backend)] = (weakref.ref(backend), region)
 
