@@ -73,6 +73,7 @@ from autoweave._failopen import RAN_EAGER, first_line, runs_eager, swallowed
 from autoweave._log import logger
 from autoweave._state import run
 from autoweave.planning import checkpoint_calls
+from autoweave.weave.grad_none import keep_none_grads
 
 # The keyword options of torch.utils.checkpoint that the operator takes as they are.
 _OPTIONS = ("preserve_rng_state", "determinism_check", "debug")
@@ -508,8 +509,10 @@ class RegionBackend(_compat.backends.ForwardsToInner):
     def _compile(self, gm: Any, example_inputs: Any) -> Any:
         try:
             if self.pieces is not None:
-                return self.pieces.compile(gm, example_inputs, self.inner)
-            return self.inner(gm, example_inputs)
+                compiled = self.pieces.compile(gm, example_inputs, self.inner)
+            else:
+                compiled = self.inner(gm, example_inputs)
+            return keep_none_grads(compiled, gm, example_inputs)
         except _compat.dynamo.backend_errors_dynamo_handles():
             raise  # a restart, a skip, a graph break, a dim error of the user's: dynamo's to act on
         except Exception as exc:

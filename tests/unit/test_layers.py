@@ -59,6 +59,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # weave/: the side effects, the only code that changes modules.
     (
         "autoweave.weave",
+        "autoweave.weave.grad_none",
         "autoweave.weave.pieces",
         "autoweave.weave.first_call_memory",
         "autoweave.weave.shared_kinds",
