@@ -316,9 +316,7 @@ class _Dispatcher:
         with counting.FallbackCounter() as watch:
             out = call(*args, **kwargs)
         located = self._agreed_breaks(watch.breaks if watch.count else None)
-        if located is not None:
-            self._on_hidden_fallback(located)
-        if watch.count:
+        if located is not None and self._on_hidden_fallback(located) and watch.count:
             _events.publish(_events.WOVEN_AROUND, self, watch.count)
         return out
 
@@ -503,8 +501,26 @@ class _Dispatcher:
         logger.debug("%s: %s", plan.root_type, plan.headline())
         _events.publish(_events.PLANNED, self, plan)
 
-    def _on_hidden_fallback(self, located: dict[int, str]) -> None:
-        """Dynamo ran a checkpointed region eager (on some rank): re-plan around ``located`` from the next call."""
+    def _on_hidden_fallback(self, located: dict[int, str]) -> bool:
+        """Dynamo ran a checkpointed region eager (on some rank): re-plan around ``located`` from the next call.
+
+        False when there is nothing new to plan around (the fallback stays, as in plain torch).
+        """
+        known = self._learned.get("breaks", {})
+        if self.state is State.TRIAL and located.keys() <= known.keys():
+            # The woven plan already compiles around every break this fallback names: a
+            # re-plan would weave the same regions and fall back the same way, and dropping
+            # dynamo's cache for the code would re-trace it at every step (transformers
+            # <= 5.22 under a whole-model compile checkpoint around ``__call__``, where the
+            # unit's hooks sit inside the checkpoint). Learned once: the plan is kept, and
+            # dynamo's cached fallback runs that checkpoint eager from now on, as plain torch does.
+            logger.info(
+                "%s: dynamo still runs a checkpointed region eager (%s), a break the plan cannot "
+                "compile around; that region runs eager as in plain torch, the rest stays woven",
+                summary.name_of(self),
+                "; ".join(sorted(set(located.values()))) or "location unknown",
+            )
+            return False
         with self._lock, guard(f"re-planning {type(self.target).__name__}"):
             target = planner.unwrap(self.target)
             learn_breaks(target, located)
@@ -536,6 +552,7 @@ class _Dispatcher:
         # would run eager from then on): drop the cache of the code it was traced on.
         with guard("clearing dynamo's cached fallback"):
             _forget_traced_code(self.target)
+        return True
 
     def _apply_learned(self) -> None:
         with self._lock:

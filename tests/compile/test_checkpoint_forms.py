@@ -305,3 +305,22 @@ def test_a_whole_model_compile_keeps_checkpointing_layers_that_hold_a_unit_compi
     assert plain_gemms > 0 and woven_gemms < plain_gemms, (plain_gemms, woven_gemms)
     if _checkpoints_in_forward():
         assert woven_gemms == 0, woven_gemms  # the limit: every module is under the compile
+
+
+@pytest.mark.slow
+def test_a_whole_model_compile_traces_nothing_after_warm_up() -> None:
+    # Issue 41 item 4: on transformers <= 5.22 (the checkpoint around ``__call__``) the woven
+    # whole model fell back at every call, re-planned and re-traced 5 frames per step forever.
+    from tests.compile.test_steady_state import frames_and_losses
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for weave in (False, True):
+        torch._dynamo.reset()
+        model = _tiny_qwen3_moe()
+        with autoweave.disabled() if not weave else contextlib.nullcontext():
+            compiled = torch.compile(model, backend=BACKEND)
+        runs.append(frames_and_losses(lambda x, c=compiled: c(input_ids=x, labels=x).logits, ids, steps=6))
+    (plain_frames, plain_losses), (woven_frames, woven_losses) = runs
+    assert woven_losses == pytest.approx(plain_losses, rel=1e-5)
+    assert sum(woven_frames[2:]) <= sum(plain_frames[2:]), (plain_frames, woven_frames)
