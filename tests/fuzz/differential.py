@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters
 
 import autoweave
 from autoweave import _compat, _state
@@ -45,7 +46,11 @@ class Outcome:
     error_bases: tuple[str, ...] = ()  # the names of that type's classes (what an ``except`` catches)
     losses: list[float] = dataclasses.field(default_factory=list)
     grads: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+    none_grads: list[tuple[bool, ...]] = dataclasses.field(default_factory=list)  # per step: grad is None
+    steady_frames: int = 0  # frames dynamo converted in a repeated last step (after warm-up)
+    own_warnings: list[str] = dataclasses.field(default_factory=list)  # autoweave's WARNING records
     hook_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    hook_lists: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # traced hooks' records
     forward_passes: dict[str, int] = dataclasses.field(default_factory=dict)  # per hook, while registered
     held_bytes: int | None = None  # C heap a training forward leaves held for backward
     frames: dict[int, int] = dataclasses.field(default_factory=dict)  # frame id -> its recompiles
@@ -61,9 +66,11 @@ class _TorchWarnings(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.seen: list[tuple[str, int]] = []
+        self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.seen.append((record.name, record.levelno))
+        self.messages.append(record.getMessage()[:200])
 
 
 @contextlib.contextmanager
@@ -120,24 +127,37 @@ def _compile(case: Case, model: torch.nn.Module, *, on: bool) -> torch.nn.Module
 
 
 def _hook(case: Case, outcome: Outcome, key: str, kind: str) -> Any:
-    """A hook that counts its calls and changes what it sees (a skipped hook changes the loss)."""
+    """A hook that counts its calls and changes what it sees (a skipped hook changes the loss).
 
-    # Counted outside dynamo: traced, the count is a value dynamo guards on (``== 3``), and every
-    # call would recompile the block, under plain torch as under autoweave.
+    ``disabled-count``: counted outside dynamo (traced, the count is a value dynamo guards on).
+    ``traced-list`` and ``activation-stats`` count as users write hooks, traced: an append to a
+    list, or a statistic of what the hook sees; both are counted from the list's length.
+    """
+    calls: list[Any] = []
+    outcome.hook_lists[key] = calls
+
     @torch.compiler.disable
-    def count() -> None:
+    def disabled_count() -> None:
         outcome.hook_calls[key] = outcome.hook_calls.get(key, 0) + 1
 
+    def count(seen: Any = None) -> None:
+        if case.hook_style == "disabled-count":
+            disabled_count()
+        elif case.hook_style == "traced-list" or not isinstance(seen, torch.Tensor):
+            calls.append(1)
+        else:
+            calls.append(seen.detach().abs().mean())
+
     def forward_hook(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
-        count()
+        count(output)
         return output * 1.25
 
     def pre_hook(module: Any, args: tuple) -> tuple:
-        count()
+        count(args[0])
         return (args[0] * 0.75, *args[1:])
 
     def backward_hook(module: Any, grad_input: tuple, grad_output: tuple) -> tuple:
-        count()
+        count(grad_output[0])
         return tuple(None if g is None else g * 1.5 for g in grad_input)
 
     return {"forward": forward_hook, "pre": pre_hook, "backward": backward_hook}[kind]
@@ -176,13 +196,15 @@ def _train(case: Case, outcome: Outcome, *, on: bool) -> None:
         try:
             call = _compile(case, model, on=on)
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            sticky = "default"
             for step, length in enumerate(lengths_of(case)):
-                stance = "default"
+                stance = sticky
                 for at, event, layer, on_sub, kind in case.events:
                     if at != step:
                         continue
                     block = block_of(model, layer)
-                    target = block.q if on_sub else block
+                    sub = block.q if case.call_path == "forward" else block.out_module
+                    target = sub if on_sub else block
                     key = (layer, on_sub, kind)
                     if event == "hook-add" and key not in hooks:
                         hooks[key] = _register(
@@ -195,6 +217,11 @@ def _train(case: Case, outcome: Outcome, *, on: bool) -> None:
                         reregister()
                     elif event == "force-eager":
                         stance = "force_eager"
+                    elif event in ("freeze", "unfreeze"):  # staged or LoRA-style fine-tuning
+                        for p in block.parameters():
+                            p.requires_grad_(event == "unfreeze")
+                    elif event == "fail-on-recompile":  # from this step on: warm-up is over
+                        sticky = "fail_on_recompile"
                     elif event == "eval-step":
                         call.eval()
                         with torch.no_grad():
@@ -206,6 +233,7 @@ def _train(case: Case, outcome: Outcome, *, on: bool) -> None:
                     loss = forward(_input(case, step, length)).square().mean()
                     loss.backward()
                 outcome.losses.append(loss.item())
+                outcome.none_grads.append(tuple(p.grad is None for p in model.parameters()))
                 if step == case.steps - 1:
                     outcome.grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
                 opt.step()
@@ -231,6 +259,10 @@ def _train(case: Case, outcome: Outcome, *, on: bool) -> None:
                 if sum(outcome.frames.values()) + len(outcome.frames) == compiles:
                     break
             outcome.losses.append(loss.item())
+            # The steady state: the same step once more converts no frame plain torch does not.
+            frames = counters["frames"]["total"]
+            forward(x).square().mean().backward()
+            outcome.steady_frames = counters["frames"]["total"] - frames
         except Exception as exc:  # the comparison is whether plain torch raises it too
             outcome.error = (step, type(exc).__name__)
             outcome.error_bases = tuple(c.__name__ for c in type(exc).__mro__)
@@ -239,6 +271,9 @@ def _train(case: Case, outcome: Outcome, *, on: bool) -> None:
                 handle.remove()
     model = call = opt = None  # the closure above holds ``call`` too
     hooks.clear()
+    for key, calls in outcome.hook_lists.items():
+        outcome.hook_calls[key] = outcome.hook_calls.get(key, 0) + len(calls)
+    outcome.hook_lists.clear()
     gc.collect()
     outcome.alive_after_drop = param() is not None
 
@@ -246,19 +281,22 @@ def _train(case: Case, outcome: Outcome, *, on: bool) -> None:
 def run(case: Case, *, on: bool) -> Outcome:
     """One run of ``case``: plain torch (``on=False``) or autoweave."""
     outcome = Outcome()
-    handler = _TorchWarnings()
+    handler, own = _TorchWarnings(), _TorchWarnings()
     torch_logger = logging.getLogger("torch")
     torch_logger.addHandler(handler)
+    logging.getLogger("autoweave").addHandler(own)
     config = {} if case.recompile_limit is None else {"recompile_limit": case.recompile_limit}
     try:
         with torch._dynamo.config.patch(**config), torch.random.fork_rng():
             _train(case, outcome, on=on)
     finally:
         torch_logger.removeHandler(handler)
+        logging.getLogger("autoweave").removeHandler(own)
         outcome.degraded = dict(_state.run.swallowed)
         torch._dynamo.reset()
         _state.reset()
     outcome.warnings = sorted(handler.seen)
+    outcome.own_warnings = own.messages
     return outcome
 
 
@@ -285,6 +323,15 @@ def differences(case: Case, plain: Outcome, woven: Outcome, bound: Outcome) -> l
         for a, b in zip(plain.losses, woven.losses, strict=True)
     ):
         out.append(f"losses: plain {plain.losses}, autoweave {woven.losses}")
+    for step, (a, b) in enumerate(zip(plain.none_grads, woven.none_grads, strict=False)):
+        if a != b:
+            which = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+            out.append(f"grad is None at step {step} differs for parameters {which}")
+            break
+    if woven.steady_frames > plain.steady_frames:
+        out.append(f"steady-state frames: plain {plain.steady_frames}, autoweave {woven.steady_frames}")
+    if woven.own_warnings and not plain.warnings:
+        out.append(f"autoweave warned where plain torch warns nothing: {woven.own_warnings[:2]}")
     for i, (a, b) in enumerate(zip(plain.grads, woven.grads, strict=False)):
         if (a is None) != (b is None) or (
             a is not None and not torch.allclose(a, b, rtol=1e-6, atol=1e-7, equal_nan=True)

@@ -37,6 +37,11 @@ DECORATORS = ("none", "pass-through", "computing")
 LENGTHS = ("static", "varying", "dynamic=True", "mark_dynamic")
 HOOK_KINDS = ("forward", "pre", "backward")
 EVENTS = ("eval-step", "reset", "force-eager", "hook-add", "hook-remove")
+# Grown from what trainers write (issue 41); drawn after the fields above, so each seed's
+# earlier choices stay what they were.
+HOOK_STYLES = ("disabled-count", "traced-list", "activation-stats")
+CALL_PATHS = ("forward", "helper", "container")
+TRAINER_EVENTS = ("freeze", "unfreeze", "fail-on-recompile")
 
 
 class Act(enum.Enum):
@@ -63,6 +68,14 @@ class Case:
     steps: int
     # (step, event, layer, on_submodule, hook kind): what happens before that step
     events: tuple[tuple[int, str, int, bool, str], ...]
+    # How a hook counts its calls: under ``torch.compiler.disable`` (the first grammar's), or
+    # traced, as users write it: appended to a list, or an activation statistic kept.
+    hook_style: str = "disabled-count"
+    # Where the block reaches ``out`` (a hook's target on a submodule): from ``forward``, from a
+    # helper method, or inside a nested container.
+    call_path: str = "forward"
+    counter: bool = False  # ``self.calls += 1`` in forward
+    stat_gate: bool = False  # a gate whose output only feeds ``.item()`` (its grad stays None)
 
     def describe(self) -> str:
         fields = dataclasses.asdict(self)
@@ -88,7 +101,7 @@ def draw(seed: int) -> Case:
         elif event != "hook-remove":
             events.append((step, event, layer, False, ""))
     form = rng.choice(FORMS)
-    return Case(
+    case = Case(
         seed=seed,
         layers=layers,
         value_type=rng.choice(VALUE_TYPES),
@@ -105,6 +118,34 @@ def draw(seed: int) -> Case:
         recompile_limit=rng.choice((None, None, None, 2)),
         steps=steps,
         events=tuple(sorted(events)),
+    )
+    return _grown(case, rng)
+
+
+def _grown(case: Case, rng: random.Random) -> Case:
+    """What trainers write that the first grammar did not draw (issue 41), drawn after the rest."""
+    events = list(case.events)
+    ac = case.ac
+    if ac in ("full", "checkpoint-in-forward") and rng.random() < 0.25:
+        ac = "checkpoint-in-call"  # transformers <= 5.22's layers: the checkpoint around ``__call__``
+    for _ in range(rng.choice((0, 0, 1))):
+        event = rng.choice(TRAINER_EVENTS)
+        step = rng.randrange(1, case.steps)
+        layer = rng.randrange(case.layers)
+        if event == "unfreeze":
+            if step + 1 >= case.steps:
+                continue
+            events.append((step, "freeze", layer, False, ""))
+            step = rng.randrange(step + 1, case.steps)
+        events.append((step, event, layer, False, ""))
+    return dataclasses.replace(
+        case,
+        ac=ac,
+        events=tuple(sorted(events)),
+        hook_style=rng.choice(HOOK_STYLES),
+        call_path=rng.choice(CALL_PATHS),
+        counter=rng.random() < 0.25,
+        stat_gate=rng.random() < 0.3,
     )
 
 
@@ -176,9 +217,17 @@ class FuzzBlock(nn.Module):
         self.brk = case.brk
         self.break_at = case.break_at
         self.place = case.value_place
+        self.call_path = case.call_path
+        self.counter = case.counter
+        self.calls = 0
         self.q = nn.Linear(DIM, DIM)
         self.experts = Experts()
-        self.out = nn.Linear(DIM, DIM)
+        if case.call_path == "container":
+            self.post = nn.ModuleDict({"proj": nn.Sequential(nn.Linear(DIM, DIM))})
+        else:
+            self.out = nn.Linear(DIM, DIM)
+        self.gate = nn.Linear(DIM, 4) if case.stat_gate else None
+        self.load = 0.0
         value = layer_value(case, index)
         if case.brk == "fsdp-unit":
             make_break(self.experts)
@@ -202,14 +251,33 @@ class FuzzBlock(nn.Module):
             print("fuzz", file=_SINK)
         return self.experts(h)  # "fsdp-unit": its disabled pre-hook is the break
 
+    @property
+    def out_module(self) -> nn.Module:
+        """The module ``out`` is, wherever the block keeps it."""
+        return self.post["proj"][0] if self.call_path == "container" else self.out
+
+    def _project(self, h: torch.Tensor) -> torch.Tensor:
+        # A helper method the forward calls (``call_path="helper"``), as blocks write ``self.ffn(h)``.
+        return self.out(h)
+
     def forward(self, x: torch.Tensor, value: object = None) -> torch.Tensor:
+        if self.counter:
+            self.calls += 1
         if self.place == "public":
             value = getattr(self, "value", None)
         elif self.place == "private":
             value = getattr(self, "_value", None)
         h = self._at("first", x)
+        if self.gate is not None:  # a router statistic read on the host: a break; the gate reaches only it
+            self.load = self.gate(h).softmax(-1).max().item()
         h = self._at("middle", _apply_value(self.q(h), value))
-        return self._at("last", x + self.out(h))
+        if self.call_path == "container":
+            projected = self.post["proj"](h)
+        elif self.call_path == "helper":
+            projected = self._project(h)
+        else:
+            projected = self.out(h)
+        return self._at("last", x + projected)
 
 
 def _decorate(forward, decorator: str):
@@ -239,6 +307,17 @@ class CheckpointingBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, value: object = None) -> torch.Tensor:
         return torch_checkpoint.checkpoint(self.inner, x, value, use_reentrant=False)
+
+
+class CallCheckpointing(nn.Module):
+    """transformers <= 5.22's ``GradientCheckpointingLayer``: the checkpoint around ``nn.Module.__call__``."""
+
+    def __call__(self, *args, **kwargs):
+        if self.training:
+            return torch_checkpoint.checkpoint(
+                functools.partial(super().__call__, **kwargs), *args, use_reentrant=False
+            )
+        return super().__call__(*args, **kwargs)
 
 
 def _save_matmuls(ctx, op, *args, **kwargs):
@@ -296,8 +375,16 @@ _CLASSES = {"none": FuzzBlock} | {
 }
 
 
+# The same classes, checkpointing around ``__call__`` (``ac="checkpoint-in-call"``).
+_CALL_CLASSES = {
+    decorator: type(f"Call{cls.__name__}", (CallCheckpointing, cls), {})
+    for decorator, cls in _CLASSES.items()
+}
+
+
 def _block(case: Case, index: int) -> nn.Module:
-    return _CLASSES[case.decorator](case, index)
+    classes = _CALL_CLASSES if case.ac == "checkpoint-in-call" else _CLASSES
+    return classes[case.decorator](case, index)
 
 
 def build(case: Case) -> FuzzModel:
