@@ -141,8 +141,8 @@ class FailedFrames:
 def frames_fail_open() -> Iterator[FailedFrames]:
     """While inside, a frame dynamo fails to convert runs eager and is recorded, not raised.
 
-    Dynamo converts a frame before running it, so running that one frame eager
-    repeats nothing; the rest of the call stays compiled. The caller decides,
+    Dynamo converts a frame before running it, so running that frame eager (with the
+    frames it calls) repeats nothing; the rest of the call stays compiled. The caller decides,
     once the call is over, whose failure it was: an exception that still
     escaped is the model's own (eager raised it too), so the frames are
     compiled again next time; a call that succeeded hit one of autoweave's.
@@ -160,6 +160,8 @@ def frames_fail_open() -> Iterator[FailedFrames]:
             if message.thread not in (thread, None):  # None: logging.logThreads is off
                 return False
             failed.errors.append((message.error, _compat.dynamo.converting_code()))
+            # Eager all the way down from this call on: the recompute then runs what the forward ran.
+            _compat.dynamo.skip_with_callees(message.error)
             return True
 
         with _taps.listening(WontConvert, on_error):

@@ -140,6 +140,22 @@ def _set_exec_strategy(code: Any, *, skip: bool) -> bool:
     return True
 
 
+def skip_with_callees(error: BaseException) -> bool:
+    """Have dynamo, which is suppressing ``error``, run its frame and every frame it calls eager.
+
+    Set on the error while dynamo logs it, before it reads ``frame_exec_strategy`` back
+    (``convert_frame``): this call and every later one then run that code eager all the way
+    down. Dynamo's own skip covers the failed frame only, and the frames it calls are converted
+    again: compiled in the forward, and in the recompute some of them eager (a frame the forward
+    never reached), so the two differ (``CheckpointError``). False: not on this torch.
+    """
+    _, strategy, action = (find_optional(path) for path in EXEC_STRATEGY)
+    if strategy is None or action is None or not hasattr(error, "frame_exec_strategy"):
+        return False
+    error.frame_exec_strategy = strategy(action.SKIP, action.SKIP)  # type: ignore[attr-defined]
+    return True
+
+
 def disable(fn: Any, *, recursive: bool) -> Any:
     import torch
 
