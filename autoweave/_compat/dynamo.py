@@ -24,6 +24,7 @@ we found.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import re
@@ -35,7 +36,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from typing import Any
 
-from autoweave._compat.backends import cache_entries
+from autoweave._compat.backends import _cache_entry_list, cache_entries
 from autoweave._compat.checkpoints import in_eager_checkpoint as _in_eager_checkpoint
 from autoweave._compat.lookup import UnsupportedTorch, find, find_optional
 
@@ -194,6 +195,41 @@ def eager_stance() -> str | None:
     """
     stance = getattr(getattr(_eval_frame(), "_stance", None), "stance", None)
     return stance if stance in EAGER_STANCES else None
+
+
+# The stance under which dynamo raises for any frame it would convert (compile or recompile).
+FAIL_STANCE = "fail_on_recompile"
+# The stance under which such a frame runs eager instead, nothing compiled: dynamo's run-only mode.
+_RUN_ONLY_STANCE = "eager_on_recompile"
+
+
+def fails_on_recompile() -> bool:
+    """Is ``torch.compiler.set_stance("fail_on_recompile")`` in force (read as ``eager_stance`` reads)?"""
+    return getattr(getattr(_eval_frame(), "_stance", None), "stance", None) == FAIL_STANCE
+
+
+@contextmanager
+def recompiles_run_eager() -> Iterator[None]:
+    """Under ``fail_on_recompile``, a frame dynamo would convert runs eager instead of raising.
+
+    For the calls inside only: the stance becomes ``eager_on_recompile`` (its other
+    fields kept), which runs every frame whose cache entries fit compiled and every
+    other frame eager, compiling nothing; the user's stance comes back after. Set on
+    the module's ``_stance`` rather than through ``set_stance``, which refuses inside
+    a compiled function's extent (an eager region called from a graph break): each
+    compiled function reads the stance as it is entered, so the frames below see it.
+    Where torch keeps no such dataclass, nothing changes.
+    """
+    module = _eval_frame()
+    prior = getattr(module, "_stance", None)
+    if getattr(prior, "stance", None) != FAIL_STANCE or not dataclasses.is_dataclass(prior):
+        yield
+        return
+    module._stance = dataclasses.replace(prior, stance=_RUN_ONLY_STANCE)
+    try:
+        yield
+    finally:
+        module._stance = prior
 
 
 @functools.cache
@@ -470,6 +506,27 @@ def _no_entry_at_limit(
             limit = config.recompile_limit
         if len(entries) < limit:
             return False
+    except Exception:  # a config these names do not read: as before
+        return False
+    return _none_fits(fn, entries, args, kwargs)
+
+
+def would_convert(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Would dynamo convert ``fn``'s frame for this call (compile it first, or again)? Doubt answers False.
+
+    A code with no entry yet is converted at its first call, where dynamo's entries can be read.
+    """
+    entries = cache_entries(fn.__code__)
+    if not entries:
+        return _cache_entry_list() is not None
+    return _none_fits(fn, entries, args, kwargs)
+
+
+def _none_fits(
+    fn: Callable[..., Any], entries: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """Does no entry's guard fit this call of ``fn`` (checked against the locals its frame would have)?"""
+    try:
         bound = inspect.signature(fn, follow_wrapped=False).bind(*args, **kwargs)
         bound.apply_defaults()
         f_locals = dict(bound.arguments)
@@ -478,6 +535,30 @@ def _no_entry_at_limit(
         return not any(entry.guard_manager.check(f_locals) for entry in entries)
     except Exception:  # an entry or argument these names do not read: as before
         return False
+
+
+# Attribute on a region's ``lookups_in_order`` function: would dynamo convert its first frame for a call?
+_WOULD_CONVERT = "_autoweave_would_convert"
+
+
+def region_would_convert(forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Would the region behind an installed ``forward`` have its first frame converted by this call?
+
+    ``forward`` as a plan installs it: the region's function, maybe bound to the block
+    (``functools.partial``) and ``torch.compiler.disable``d. Anything else (no region, a
+    block moving between regions) answers False.
+    """
+    bound: tuple[Any, ...] = ()
+    for _ in range(4):
+        if (original := disabled_original(forward)) is not None:
+            forward = original
+        elif isinstance(forward, functools.partial):
+            bound, kwargs = (*forward.args, *bound), {**forward.keywords, **kwargs}
+            forward = forward.func
+        else:
+            break
+    asks = getattr(forward, _WOULD_CONVERT, None)
+    return asks is not None and bool(asks((*bound, *args), kwargs))
 
 
 def lookups_in_order(
@@ -521,6 +602,14 @@ def lookups_in_order(
     give the recompute other graphs than its forward ran (plain torch runs the
     block eager under its checkpoint). Decided from the entries' guards before
     the call, the forward and its recompute run the same code.
+
+    Under ``set_stance("fail_on_recompile")``, a frame of the region (first,
+    resumed or called) that fits none of its entries runs eager for the call,
+    compiling nothing (``recompiles_run_eager``), where dynamo would raise. The
+    region exists because autoweave wove its module, which plain torch runs
+    eager: a block whose checkpoint falls back, or the glue of a whole-model
+    compile whose loop over such blocks breaks (dynamo then skips the frame).
+    A plain compile (no region) raises as the user asked.
     """
     order = _insertion_order()
     if order is None and inputs is None:
@@ -548,10 +637,18 @@ def lookups_in_order(
             args, kwargs = inputs(args, kwargs)
         if at_limit is not None and at_limit(args, kwargs):
             return uncompiled(*args, **kwargs)
-        with order or nullcontext():
+        # Under ``fail_on_recompile`` a frame of the region that fits none of its graphs (a
+        # block frozen after warm-up fails their requires_grad guards) runs eager, not raise:
+        # plain torch runs the module eager, never compiling it (issue 41, item 5).
+        with order or nullcontext(), recompiles_run_eager() if fails_on_recompile() else nullcontext():
             return compiled(*args, **kwargs)
 
     functools.update_wrapper(in_order, compiled)
+    if eager is not None:
+        # Asked before the call by what must decide first (a pieces block's checkpoint).
+        setattr(
+            in_order, _WOULD_CONVERT, lambda args, kwargs: would_convert(converted or eager, args, kwargs)
+        )
     # A trace that meets it (an outer compile inlining the block) traces the compiled
     # function as it would meet it in plain torch; dynamo never converts its own frame.
     setattr(in_order, TRACE_AS, getattr(compiled, TRACE_AS, compiled))

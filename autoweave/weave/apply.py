@@ -220,6 +220,12 @@ def _without_checkpoint(wrapper: nn.Module) -> Callable[..., Any]:
     code, without the checkpoint they carry: the wrapper then checkpoints, as it does
     in plain torch (eager selective AC's learned, not a forward that keeps everything),
     and its recompute runs eager too, whatever the stance when backward runs.
+
+    So does a call under ``set_stance("fail_on_recompile")`` that no graph of the
+    block's region fits (a block frozen after warm-up): plain torch runs the block
+    eager under its checkpoint and trains, where the region would raise (issue 41,
+    item 5). A later frame of the region that fits none runs eager without raising
+    (``dynamo.recompiles_run_eager``), holding that frame's activations for the call.
     """
     import torch
 
@@ -229,8 +235,15 @@ def _without_checkpoint(wrapper: nn.Module) -> Callable[..., Any]:
         with torch.compiler.set_stance("force_eager"):
             return inner(*args, **kwargs)
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         if _compat.dynamo.eager_stance() == "force_eager":
+            return True
+        return _compat.dynamo.fails_on_recompile() and _compat.dynamo.region_would_convert(
+            inner.__dict__.get("forward"), args, kwargs
+        )
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if runs_eager(args, kwargs):
             return _compat.modules.checkpoint_fn(wrapper)(eager, *args, **kwargs)
         return inner(*args, **kwargs)
 
