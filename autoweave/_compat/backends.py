@@ -136,8 +136,8 @@ def cache_entries(code: Any) -> list[Any]:
         return []
 
 
-def guard_texts(fn: Callable[..., Any]) -> Iterator[str]:
-    """The guard text of every cache entry of ``fn``'s code, the functions it wraps and its resume functions."""
+def _region_frames(fn: Callable[..., Any]) -> Iterator[tuple[Callable[..., Any], list[Any]]]:
+    """Each frame of ``fn``'s region with its cache entries: its code, the functions it wraps, its resume functions."""
     seen: set[int] = set()
     todo = [fn]
     while todo:
@@ -148,13 +148,26 @@ def guard_texts(fn: Callable[..., Any]) -> Iterator[str]:
         seen.add(id(code))
         # A decorator's copied wrapper breaks at its call of the wrapped copy: a frame of its own.
         todo.append(getattr(current, "__wrapped__", None))
-        for entry in cache_entries(code):
-            manager = getattr(entry, "guard_manager", None)
-            yield from getattr(manager, "code_parts", None) or ()
+        entries = cache_entries(code)
+        yield current, entries
+        for entry in entries:
             transformed = getattr(entry, "code", None)
             for name in getattr(transformed, "co_names", ()):
                 if name.startswith(RESUME_PREFIX):
                     todo.append(current.__globals__.get(name))
+
+
+def guard_texts(fn: Callable[..., Any]) -> Iterator[str]:
+    """The guard text of every cache entry of ``fn``'s code, the functions it wraps and its resume functions."""
+    for _, entries in _region_frames(fn):
+        for entry in entries:
+            manager = getattr(entry, "guard_manager", None)
+            yield from getattr(manager, "code_parts", None) or ()
+
+
+def frames_at_limit(fn: Callable[..., Any], limit: int) -> list[str]:
+    """The names of the frames of ``fn``'s region (as ``guard_texts`` walks them) holding ``limit`` entries or more."""
+    return [f.__code__.co_name for f, entries in _region_frames(fn) if len(entries) >= limit]
 
 
 def guarded_attributes(fn: Callable[..., Any]) -> frozenset[str]:

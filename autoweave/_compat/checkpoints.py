@@ -11,6 +11,7 @@ a SAC policy's context or autograd's node numbers either.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +79,30 @@ def in_eager_checkpoint() -> bool:
     return getattr(pack, "__module__", None) == "torch.utils.checkpoint" and getattr(
         pack, "__qualname__", ""
     ).startswith(prefixes)
+
+
+def eager_checkpoint_frame() -> tuple[Any, bool] | None:
+    """The innermost eager checkpoint around this call (its ``_CheckpointFrame``), and whether this is its recompute.
+
+    Its forward and its recompute share that object: what a forward decided can be
+    found again by its recompute. Read from the pack hook's closure (``frame``
+    in the forward, ``target_frame_ref`` in the recompute, as on 2.11-2.15); None
+    where there is no eager checkpoint, or the names moved.
+    """
+    if not in_eager_checkpoint():
+        return None
+    # The recompute's hook is ``torch._dynamo.disable``d (2.13): its wrapper keeps ``__wrapped__``.
+    pack = inspect.unwrap(_top_saved_tensors_hooks()[0])
+    cells = dict(zip(pack.__code__.co_freevars, pack.__closure__ or (), strict=False))
+    try:
+        if "frame" in cells:
+            return cells["frame"].cell_contents, False
+        if "target_frame_ref" in cells:
+            frame = cells["target_frame_ref"].cell_contents()
+            return (frame, True) if frame is not None else None
+    except (ValueError, TypeError):  # an empty cell, or not a weak reference
+        pass
+    return None
 
 
 @functools.cache

@@ -32,12 +32,14 @@ import sys
 import threading
 import time
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from typing import Any
 
+from autoweave._compat import backends
 from autoweave._compat.backends import _cache_entry_list, cache_entries
-from autoweave._compat.checkpoints import in_eager_checkpoint as _in_eager_checkpoint
+from autoweave._compat.checkpoints import eager_checkpoint_frame as _eager_checkpoint_frame
 from autoweave._compat.lookup import UnsupportedTorch, find, find_optional
 
 
@@ -561,6 +563,40 @@ def region_would_convert(forward: Any, args: tuple[Any, ...], kwargs: dict[str, 
     return asks is not None and bool(asks((*bound, *args), kwargs))
 
 
+_raised_from: list[int] = []  # the user's recompile limit, while woven calls run with it raised
+_LIMIT_HEADROOM = 64  # entries a region's frames may take past the limit while its calls in flight finish
+
+
+def user_recompile_limit(given: int | None = None) -> int:
+    """The recompile limit that counts: ``given`` (the compile's own), else dynamo's as the user set it."""
+    if given is not None:
+        return given
+    if _raised_from:
+        return _raised_from[0]
+    import torch._dynamo.config as config
+
+    return config.recompile_limit
+
+
+@contextmanager
+def _limit_raised() -> Iterator[None]:
+    """dynamo's recompile limit raised by ``_LIMIT_HEADROOM`` while a woven call runs (process-wide).
+
+    A compile given its own ``recompile_limit=`` patches over it while it converts.
+    """
+    import torch._dynamo.config as config
+
+    if _raised_from:  # an outer woven call raised it already
+        yield
+        return
+    _raised_from.append(config.recompile_limit)
+    try:
+        with config.patch(recompile_limit=_raised_from[0] + _LIMIT_HEADROOM):
+            yield
+    finally:
+        _raised_from.clear()
+
+
 def lookups_in_order(
     compiled: Callable[..., Any],
     inputs: Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
@@ -568,7 +604,7 @@ def lookups_in_order(
     eager: Callable[..., Any] | None = None,
     converted: Callable[..., Any] | None = None,
     recompile_limit: int | None = None,
-    on_limit: Callable[[], None] | None = None,
+    on_limit: Callable[[str, bool], None] | None = None,
 ) -> Callable[..., Any]:
     """``compiled`` with dynamo's cache entries looked up in the order they were made.
 
@@ -593,15 +629,20 @@ def lookups_in_order(
     default comes back after the last one returns.
 
     ``eager`` (the function ``compiled`` compiles; ``converted``, the one of
-    its frames dynamo converts first, if another): under an eager checkpoint, a
-    call that no entry of that frame's code matches once the code is at its
-    recompile limit (``recompile_limit``, else dynamo's) runs ``eager`` with
-    dynamo off below it, telling ``on_limit``. Left to dynamo, such a frame runs eager
-    while the frames it calls run whatever entries they hold at that moment,
-    from any compile; entries other blocks compile before the recompute then
-    give the recompute other graphs than its forward ran (plain torch runs the
-    block eager under its checkpoint). Decided from the entries' guards before
-    the call, the forward and its recompute run the same code.
+    its frames dynamo converts first, if another): under an eager checkpoint,
+    once any frame of the region (that one, or a function dynamo resumes it
+    with after a break) holds as many entries as the recompile limit
+    (``recompile_limit``, else dynamo's), the region runs ``eager`` with dynamo
+    off below it, telling ``on_limit`` the frame's name and True; when only that
+    first frame is there, only a call none of its entries' guards fits (False). Decided at the
+    region's first call in a checkpoint's forward, before its graphs record
+    anything there, and kept for that checkpoint's recompute: the forward and
+    its recompute run the same code. Left to dynamo, the frame at the limit runs
+    eager in whichever of the two reaches it (a resume frame guarded on
+    ``self.calls`` needs a new entry in each), the other its graph: other
+    saved tensors (``CheckpointError``) or silently other gradients (issue 41).
+    So while such a call runs compiled, dynamo's own limit is raised
+    (``_limit_raised``): the limit is kept here, at the entry, not mid-call.
 
     Under ``set_stance("fail_on_recompile")``, a frame of the region (first,
     resumed or called) that fits none of its entries runs eager for the call,
@@ -622,25 +663,51 @@ def lookups_in_order(
     if eager is not None:
         uncompiled = outside_dynamo(eager, traced_as=eager)
         frame_fn = converted or eager
+        # Decided once per checkpoint, at the region's first call in its forward (before
+        # its graphs record anything there), and found again by its recompute.
+        decided: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
-        def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-            if not (_in_eager_checkpoint() and _no_entry_at_limit(frame_fn, args, kwargs, recompile_limit)):
-                return False
-            if on_limit is not None:
-                on_limit()
-            return True
+        def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool | None:
+            # None: not under an eager checkpoint, no recompute to match: dynamo decides.
+            found = _eager_checkpoint_frame()
+            if found is None:
+                return None
+            frame, _ = found
+            with suppress(TypeError):  # a frame that takes no weak reference: decided per call
+                if frame in decided:
+                    return decided[frame]
+            # Any frame of the region: its own, or one dynamo resumes after a break in it. Only
+            # the first frame's guards can be read before the call: if it alone is at the limit,
+            # a call that fits one of its entries still runs the graphs.
+            limit = user_recompile_limit(recompile_limit)
+            at = backends.frames_at_limit(frame_fn, limit)
+            every = bool(at) and at != [frame_fn.__code__.co_name]
+            eager = every or (bool(at) and _no_entry_at_limit(frame_fn, args, kwargs, limit))
+            if eager and on_limit is not None:
+                on_limit(at[-1], every)
+            with suppress(TypeError):
+                decided[frame] = eager
+            return eager
 
         at_limit = outside_dynamo(runs_eager, traced_as=runs_eager)
 
     def in_order(*args: Any, **kwargs: Any) -> Any:
         if inputs is not None:
             args, kwargs = inputs(args, kwargs)
-        if at_limit is not None and at_limit(args, kwargs):
+        eager = None if at_limit is None else at_limit(args, kwargs)
+        if eager:
             return uncompiled(*args, **kwargs)
         # Under ``fail_on_recompile`` a frame of the region that fits none of its graphs (a
         # block frozen after warm-up fails their requires_grad guards) runs eager, not raise:
         # plain torch runs the module eager, never compiling it (issue 41, item 5).
-        with order or nullcontext(), recompiles_run_eager() if fails_on_recompile() else nullcontext():
+        stance = recompiles_run_eager() if fails_on_recompile() else nullcontext()
+        if eager is not None:
+            # The limit is kept at the region's entry (above); inside, no frame may reach
+            # dynamo's, which would run that frame eager in the forward or in the recompute
+            # alone (a recompute often needs an entry its forward did not).
+            with order or nullcontext(), _limit_raised(), stance:
+                return compiled(*args, **kwargs)
+        with order or nullcontext(), stance:
             return compiled(*args, **kwargs)
 
     functools.update_wrapper(in_order, compiled)

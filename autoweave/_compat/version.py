@@ -175,6 +175,8 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
             "torch._higher_order_ops.wrap",
             checkpoints.CHECKPOINT_CONTEXT_FN_KEY,
         ),
+        # What a checkpoint's recompute reads to find its forward (``checkpoints.eager_checkpoint_frame``).
+        in_source("the recompute hook's 'target_frame_ref'", "torch.utils.checkpoint", "target_frame_ref"),
         has("torch._dynamo.exc.Unsupported"),
         has("torch._dynamo.disable"),
         has("torch._dynamo.reset_code"),

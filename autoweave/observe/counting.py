@@ -130,9 +130,8 @@ def _warn_of_limit(hit: RecompileLimit) -> None:
     if "autoweave_" in hit.text:  # a woven region's code, named by ``weave.apply``
         warn_each(
             f"recompile-limit:{hit.function}",
-            f"[recompile-limit] a woven region hit dynamo's recompile limit and now runs eager: {hit.function}. "
-            "A selective-AC block woven as pieces runs under its checkpoint again from the next call "
-            "(the call that hit the limit ran without it). "
+            f"[recompile-limit] a woven region hit dynamo's recompile limit ({hit.function}): dynamo runs "
+            "that frame eager from this call on, where none of its graphs fits. "
             "TORCH_LOGS=recompiles says which guard failed each time",
         )
 

@@ -242,7 +242,9 @@ class _Stats:
             dispatcher.observe_next_call(_measuring(id(dispatcher)))
 
     def _on_at_limit(self, label: str) -> None:
-        self.limit_hits.append(f"woven region {label} at the recompile limit: calls no graph fits run eager")
+        self.limit_hits.append(
+            f"woven region {label} at the recompile limit: eager under its checkpoint from then on"
+        )
 
     # dynamo's compile callbacks: time every compile, attribute it to the regions it built
     def _on_start(self, args: Any = None, *_: Any) -> None:

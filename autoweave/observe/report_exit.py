@@ -119,10 +119,16 @@ def format_exit_summary(data: dict[str, Any], path: str | None) -> str:
             + ", ".join(f"[{slug}] x{n}" for slug, n in swallowed.items())
             + " (the warnings above say where; AUTOWEAVE_STRICT=1 raises instead)"
         )
+    at_limit = sum(hit.startswith("woven region ") for hit in dyn["recompile_limit_hits"])
     if around := fallbacks.get("woven_around", 0):
         lines.append(
             f"  {around} checkpointed region(s) fell back to eager at their first call only: autoweave "
             "located the break and compiles around it from the next call on"
+            + (
+                f", up to the recompile limit ({at_limit} woven region(s) reached it, see limit:)"
+                if at_limit
+                else ""
+            )
         )
     if fallbacks["count"] > around:
         lines.append(

@@ -343,11 +343,13 @@ def _build_kind_region(
 def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any]) -> dict[str, Any]:
     """``lookups_in_order``'s arguments for a region at its recompile limit: what runs, and the warning."""
 
-    def on_limit() -> None:
+    def on_limit(frame: str, every: bool) -> None:
+        # ``every``: a frame resumed after a break is at the limit, not only the region's own.
+        runs = "from this call on, every call" if every else "a call none of its graphs fits"
         told = warn_each(
             f"recompile-limit:{label}",
-            f"[recompile-limit] woven region {label} is at dynamo's recompile limit: a call none of its "
-            "graphs fits runs eager under its checkpoint, forward and recompute, as in plain torch. "
+            f"[recompile-limit] woven region {label} is at dynamo's recompile limit (frame {frame}): "
+            f"{runs} runs eager under its checkpoint, forward and recompute alike, as in plain torch. "
             "TORCH_LOGS=recompiles says which guard failed each time",
         )
         if told:  # once per region, as the warning

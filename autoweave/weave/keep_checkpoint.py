@@ -53,6 +53,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autoweave import _compat, _instances, _taps
 from autoweave._compat.log_strings import RecompileLimit
+from autoweave._failopen import warn_each
 from autoweave._instances import restore_forward
 from autoweave._log import logger
 from autoweave._state import run
@@ -117,7 +118,12 @@ class AtRecompileLimit:
                 notes = run.region_notes.setdefault(label, [])
                 if KEPT_NOTE not in notes:
                     notes.append(KEPT_NOTE)
-            logger.info("%s: %s", type(block.wrapper).__name__, KEPT_NOTE)
+            # Said for what happened to this block: its strategy, and where its checkpoint went.
+            warn_each(
+                f"recompile-limit:kept:{min(block.labels(), default='')}",
+                f"[recompile-limit] {type(block.wrapper).__name__} (woven as pieces, its checkpoint in its "
+                f"graphs) {KEPT_NOTE}",
+            )
         if hit_blocks and self.on_kept is not None:
             self.on_kept()
 

@@ -11,7 +11,6 @@ where transformers 5.0 is installed.
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import pytest
 import torch

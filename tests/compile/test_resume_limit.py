@@ -1,0 +1,112 @@
+"""At dynamo's recompile limit in a frame resumed after a break, forward and recompute run alike (issue 41, item 2).
+
+A checkpointed block with a ``.item()`` break is woven; dynamo resumes after the break in a
+``torch_dynamo_resume_in_...`` frame. Something after the break makes that frame recompile on
+every call (``self.calls += 1``, which dynamo specializes on; a forward hook appending to a
+list). A recompute sees another value than its forward, so it needs an entry of its own: at the
+limit, dynamo ran that frame eager in the recompute while its forward had run a graph
+(``CheckpointError``, or silently other gradients for the layers before the break). autoweave
+decides for the whole region at its entry: once any of its frames is at the limit, the region
+runs eager under its checkpoint, forward and recompute alike, as plain torch runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+import autoweave
+from tests import break_models as bm
+
+DIM = 8
+LIMIT = 4
+STEPS = 8  # the resume frames reach the limit at step 4 (2 blocks, forward and recompute)
+pytestmark = pytest.mark.usefixtures("weave_on")
+
+
+class RouterBlock(nn.Module):
+    """norm -> router -> ``.item()`` on a statistic -> more linears; after the break, ``counts``."""
+
+    def __init__(self, counts: str) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.router = nn.Linear(DIM, 4)
+        self.up = nn.Linear(DIM, 16)
+        self.down = nn.Linear(16, DIM)
+        self.counts = counts
+        self.calls = 0
+        self.seen: list[int] = []
+        if counts == "hook":
+            self.down.register_forward_hook(lambda module, args, out: self.seen.append(out.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        scores = self.router(h).softmax(-1)
+        load = scores.max().item()  # a graph break: dynamo resumes below in a frame of its own
+        if self.counts == "calls":
+            self.calls += 1  # an int attribute dynamo guards on: a new entry per call
+        y = self.down(torch.relu(self.up(h * scores.sum(-1, keepdim=True))))
+        return x + y * (1.0 + 0.0 * load)
+
+
+def _ac(block: nn.Module, ac: str) -> nn.Module:
+    if ac == "selective":
+        return cw.checkpoint_wrapper(
+            block, context_fn=functools.partial(create_selective_checkpoint_contexts, bm.save_matmuls)
+        )
+    return cw.checkpoint_wrapper(block)
+
+
+def _train(counts: str, ac: str, plain: bool, train: bool) -> list[tuple[float, dict[str, torch.Tensor]]]:
+    torch.manual_seed(0)
+    blocks = [RouterBlock(counts) for _ in range(2)]
+    x = torch.randn(4, DIM)
+    torch._dynamo.reset()
+    with autoweave.disabled() if plain else contextlib.nullcontext():
+        model = nn.Sequential(*(torch.compile(_ac(b, ac), backend="aot_eager") for b in blocks))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for _ in range(STEPS):
+        loss = model(x).square().mean()
+        loss.backward()
+        seen.append(
+            (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        )
+        if train:  # else every step's gradients are taken at the same weights
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("counts", "ac", "train"),
+    [
+        ("calls", "full", False),
+        ("calls", "selective", False),
+        ("hook", "full", False),
+        ("hook", "selective", False),
+        ("calls", "full", True),
+    ],
+    ids=["self.calls+=1-full", "self.calls+=1-selective", "hook-full", "hook-selective", "self.calls+=1-sgd"],
+)
+def test_losses_and_grads_equal_plain_torch_through_the_limit(counts, ac, train, capfd):
+    with torch._dynamo.config.patch(recompile_limit=LIMIT):
+        plain = _train(counts, ac, plain=True, train=train)
+        capfd.readouterr()
+        woven = _train(counts, ac, plain=False, train=train)
+    for step, ((p_loss, p_grads), (w_loss, w_grads)) in enumerate(zip(plain, woven, strict=True)):
+        assert w_loss == pytest.approx(p_loss, rel=1e-6), step
+        assert sorted(w_grads) == sorted(p_grads), step
+        for name, grad in p_grads.items():
+            torch.testing.assert_close(w_grads[name], grad, rtol=1e-6, atol=1e-7, msg=f"{name} step {step}")
+    # The case itself: a frame resumed after the break reached the limit, and the warning names
+    # the region and that frame, not another strategy.
+    said = [line for line in capfd.readouterr().err.splitlines() if "[recompile-limit]" in line]
+    assert said and all("torch_dynamo_resume_in_autoweave_RouterBlock" in line for line in said), said
+    assert not any("pieces" in line for line in said), said
