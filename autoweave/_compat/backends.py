@@ -170,6 +170,11 @@ def frames_at_limit(fn: Callable[..., Any], limit: int) -> list[str]:
     return [f.__code__.co_name for f, entries in _region_frames(fn) if len(entries) >= limit]
 
 
+def region_entries(fn: Callable[..., Any]) -> int:
+    """How many cache entries the frames of ``fn``'s region hold in all."""
+    return sum(len(entries) for _, entries in _region_frames(fn))
+
+
 def guarded_attributes(fn: Callable[..., Any]) -> frozenset[str]:
     """Names of attributes whose value ``fn``'s compiled code is guarded on (``==``, ``is``)."""
     return frozenset(name for text in guard_texts(fn) for name in _GUARDED_ATTRIBUTE.findall(text))

@@ -143,6 +143,12 @@ def _set_exec_strategy(code: Any, *, skip: bool) -> bool:
     return True
 
 
+def frames_converted() -> int:
+    """How many frames dynamo has converted in this process (0 before dynamo is imported)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else int(utils.counters["frames"]["total"])
+
+
 def skip_with_callees(error: BaseException) -> bool:
     """Have dynamo, which is suppressing ``error``, run its frame and every frame it calls eager.
 
@@ -563,6 +569,10 @@ def region_would_convert(forward: Any, args: tuple[Any, ...], kwargs: dict[str, 
     return asks is not None and bool(asks((*bound, *args), kwargs))
 
 
+# Consecutive calls of a woven region under an eager checkpoint that each compiled something,
+# after which it runs eager (the steady-state watchdog in ``lookups_in_order``). Warm-up compiles
+# at most twice in a row (a first graph, then one with a length made dynamic).
+STORM_CALLS = 3
 _raised_from: list[int] = []  # the user's recompile limit, while woven calls run with it raised
 _LIMIT_HEADROOM = 64  # entries a region's frames may take past the limit while its calls in flight finish
 
@@ -604,7 +614,7 @@ def lookups_in_order(
     eager: Callable[..., Any] | None = None,
     converted: Callable[..., Any] | None = None,
     recompile_limit: int | None = None,
-    on_limit: Callable[[str, bool], None] | None = None,
+    on_limit: Callable[[str, bool, bool], None] | None = None,
 ) -> Callable[..., Any]:
     """``compiled`` with dynamo's cache entries looked up in the order they were made.
 
@@ -666,6 +676,8 @@ def lookups_in_order(
         # Decided once per checkpoint, at the region's first call in its forward (before
         # its graphs record anything there), and found again by its recompute.
         decided: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        entries_seen: list[int] = []  # the region's entries at each forward's decision, newest last
+        storm: list[str] = []  # the frame that recompiled at every call, once the region settled
 
         def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool | None:
             # None: not under an eager checkpoint, no recompute to match: dynamo decides.
@@ -683,8 +695,21 @@ def lookups_in_order(
             at = backends.frames_at_limit(frame_fn, limit)
             every = bool(at) and at != [frame_fn.__code__.co_name]
             eager = every or (bool(at) and _no_entry_at_limit(frame_fn, args, kwargs, limit))
+            if not eager and not storm:
+                # The steady-state watchdog: a region whose frames compiled again at each of its
+                # last STORM_CALLS calls (an int attribute bumped per call, a hook appending to a
+                # list) would recompile up to the limit, step after step, where plain torch runs
+                # the block eager under its checkpoint and compiles nothing: settled now.
+                entries_seen.append(backends.region_entries(frame_fn))
+                del entries_seen[: -STORM_CALLS - 1]
+                if len(entries_seen) > STORM_CALLS and all(
+                    a < b for a, b in zip(entries_seen, entries_seen[1:], strict=False)
+                ):
+                    storm.append(frame_fn.__code__.co_name)
+            if storm:
+                eager = every = True
             if eager and on_limit is not None:
-                on_limit(at[-1], every)
+                on_limit(storm[0] if storm else at[-1], every, bool(storm))
             with suppress(TypeError):
                 decided[frame] = eager
             return eager

@@ -48,7 +48,15 @@ import torch.nn as nn
 
 from autoweave import _compat, _events, _instances, _settings
 from autoweave._compat.log_strings import FallbackBreak
-from autoweave._failopen import AutoweaveError, FailedFrames, _strict, frames_fail_open, guard, swallowed
+from autoweave._failopen import (
+    AutoweaveError,
+    FailedFrames,
+    _strict,
+    frames_fail_open,
+    guard,
+    swallowed,
+    warn_each,
+)
 from autoweave._log import logger
 from autoweave._state import run as _run
 from autoweave.dispatch import plan_inputs
@@ -116,6 +124,7 @@ class _Dispatcher:
         self._generation = -1  # _state.run.generation when the tree was last read
         self._fingerprint: tuple | None = None
         self._called = False
+        self._converting = 0  # consecutive woven calls that made dynamo convert frames (the watchdog)
         self._outer: Callable[[], nn.Module | None] | None = None  # weakref to an enclosing AC wrapper
         self.skip_outer_checkpoint = False  # the enclosing wrapper's AC moved into the regions
         self._call_traced = True  # torch.compile(module) traces __call__; in-place compile does not
@@ -290,7 +299,7 @@ class _Dispatcher:
             self._called = True
             state = self.state
             if state is State.WOVEN:
-                return self._eager(*args, **kwargs)
+                return self._woven_call(args, kwargs)
             if state is State.TRIAL:
                 return self._first_woven_call(args, kwargs)
             if state is State.WATCHING:
@@ -305,6 +314,43 @@ class _Dispatcher:
         # Under an outer compile (the whole model over compiled blocks) dynamo sees what
         # plain torch.compile made, and never traces or converts the dispatcher's frames.
         return _compat.dynamo.outside_dynamo(call, traced_as=self._plain)
+
+    def _woven_call(self, args: tuple, kwargs: dict) -> Any:
+        """A call of the woven regions, watched for the steady state (the watchdog).
+
+        After warm-up a woven module converts no frame plain torch would not. One that still
+        makes dynamo convert frames at each of ``STORM_CALLS`` calls in a row (an int attribute
+        bumped per call, a hook appending to a list: a new guard value each time) would
+        recompile up to the limit, step after step: it is settled into plain torch.compile's
+        behaviour, with one warning naming it. Settled at the entry of a later forward, never
+        between a forward and its recompute (which must run what the forward ran), as a
+        re-plan is (``_on_hidden_fallback``).
+        """
+        if self._converting >= _compat.dynamo.STORM_CALLS and not _compat.checkpoints.in_backward():
+            self._settle()
+            return self.call(*args, **kwargs)
+        before = _compat.dynamo.frames_converted()
+        out = self._eager(*args, **kwargs)
+        if not _compat.checkpoints.in_backward():  # a recompute is not a call of the forward
+            self._converting = self._converting + 1 if _compat.dynamo.frames_converted() != before else 0
+        return out
+
+    def _settle(self) -> None:
+        """The steady-state watchdog fired: plain torch.compile from the next call on."""
+        with self._lock:
+            if self.state is not State.WOVEN:
+                return
+            plan, why = self.plan, Why.STEADY_STATE
+            self._release()
+            self.plan = None if plan is None else plan.plain_instead(why.value)
+            self._enter(State.PLAIN, why)
+            _events.publish(_events.PLANNED, self, self.plan)
+        warn_each(
+            f"steady-state:{id(self)}",
+            f"[steady-state] {summary.name_of(self)}: dynamo converted frames at each of its last "
+            f"{_compat.dynamo.STORM_CALLS} calls after warm-up (TORCH_LOGS=recompiles says which guard "
+            "failed); it runs as plain torch.compile runs it from now on",
+        )
 
     def _watched(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Run a first call listening for dynamo's AC fallback; on one on any rank, re-plan around the break.
@@ -382,6 +428,7 @@ class _Dispatcher:
             self._on_failed_frames(failed)
         with self._lock:
             if self.state is State.TRIAL:  # not LEARNED: a fallback in this call re-planned it
+                self._converting = 0
                 self._enter(State.WOVEN, Why.COMPILED)
         return out
 

@@ -37,6 +37,7 @@ class Why(enum.Enum):
     COMPILED = "the woven regions ran their first call"
     FULLGRAPH_BREAK = "fullgraph=True and a graph break outside the boundaries: plain torch.compile"
     RELEASED = "compiled again in place: the newer dispatcher takes over"
+    STEADY_STATE = "dynamo still converted frames at every call after warm-up: plain torch.compile"
     REFUSED = "a move the state machine forbids was refused (autoweave's own error): plain torch.compile"
 
 

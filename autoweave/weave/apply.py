@@ -343,12 +343,18 @@ def _build_kind_region(
 def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any]) -> dict[str, Any]:
     """``lookups_in_order``'s arguments for a region at its recompile limit: what runs, and the warning."""
 
-    def on_limit(frame: str, every: bool) -> None:
+    def on_limit(frame: str, every: bool, storm: bool) -> None:
         # ``every``: a frame resumed after a break is at the limit, not only the region's own.
+        # ``storm``: not at the limit yet, but it compiled again at every call (the watchdog).
         runs = "from this call on, every call" if every else "a call none of its graphs fits"
+        where = (
+            f"compiled again at each of its last {_compat.dynamo.STORM_CALLS} calls (frame {frame})"
+            if storm
+            else f"is at dynamo's recompile limit (frame {frame})"
+        )
         told = warn_each(
             f"recompile-limit:{label}",
-            f"[recompile-limit] woven region {label} is at dynamo's recompile limit (frame {frame}): "
+            f"[recompile-limit] woven region {label} {where}: "
             f"{runs} runs eager under its checkpoint, forward and recompute alike, as in plain torch. "
             "TORCH_LOGS=recompiles says which guard failed each time",
         )
