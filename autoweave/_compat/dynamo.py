@@ -468,17 +468,30 @@ def outside_dynamo(fn: Callable[..., Any], *, traced_as: Callable[..., Any]) -> 
 
 
 class _InsertionOrder:
-    """Counts the woven calls running, so dynamo's LRU reordering is off exactly while any runs."""
+    """Counts the woven calls running, so dynamo's LRU reordering is off exactly while any runs.
+
+    While any runs, dynamo also guards the hooks of the modules it inlines
+    (``skip_nnmodule_hook_guards`` off; torch's default is on): a function shared by every
+    block of a class (a helper method with a break inside, ``self.ffn(x)``, converted as a
+    frame of its own after the break) otherwise keeps the graph it compiled for the first
+    block, and a block whose submodule has a hook of its own runs it without the hook (issue 41).
+    Guarded, each hook set gets an entry of its own; equal blocks still share one.
+    """
 
     def __init__(self, set_lru: Callable[[bool], None]) -> None:
         self._set_lru = set_lru
         self._running = 0
+        self._skipped_hooks: Any = None  # the user's setting, while woven calls run
         self._lock = threading.Lock()  # the flag is process-wide: threads share one count
 
     def __enter__(self) -> None:
         with self._lock:
             if self._running == 0:
                 self._set_lru(False)
+                config = sys.modules.get("torch._dynamo.config")
+                self._skipped_hooks = getattr(config, _HOOK_GUARDS, None)
+                if self._skipped_hooks:
+                    setattr(config, _HOOK_GUARDS, False)
             self._running += 1
 
     def __exit__(self, *exc_info: object) -> None:
@@ -486,6 +499,12 @@ class _InsertionOrder:
             self._running -= 1
             if self._running == 0:
                 self._set_lru(True)
+                if self._skipped_hooks:
+                    setattr(sys.modules["torch._dynamo.config"], _HOOK_GUARDS, self._skipped_hooks)
+                    self._skipped_hooks = None
+
+
+_HOOK_GUARDS = "skip_nnmodule_hook_guards"
 
 
 @functools.cache
