@@ -8,7 +8,7 @@ of its outputs gets a gradient, with zeros materialised for the others: the para
 zero tensor, and an optimizer's weight decay then moves it every step.
 
 So the region backend wraps a compiled graph whose differentiable inputs reach only part of
-its outputs: each such input enters the graph through an identity node (``Reached``) whose
+its outputs, one of them a single value (what a host read takes): each such input enters the graph through an identity node (``Reached``) whose
 backward passes the gradient on only when at least one output the input reaches got a gradient
 of its own (``register_multi_grad_hook`` tells which did), and ``None`` otherwise, as eager
 autograd would. Inputs that reach every output need nothing: when none of them gets a
@@ -55,10 +55,15 @@ def partial_inputs(gm: Any, example_inputs: Sequence[Any]) -> dict[int, frozense
         for source in reaches.get(flat[i], frozenset()):
             found.setdefault(source, set()).add(i)
     every = set(differentiable)
+    # Only inputs that reach a single value (what ``.item()`` reads): an input that reaches
+    # only part of the outputs is common (a router's weights reach its logits alone), and each
+    # one wrapped costs an autograd node and a view per call.
     return {
         source: frozenset(outs)
         for source, outs in found.items()
-        if outs != every and _requires_grad(example_inputs[source])
+        if outs != every
+        and any(_single(flat[i]) for i in outs)
+        and _requires_grad(example_inputs[source])
     }
 
 
@@ -69,6 +74,14 @@ def _may_need_grad(node: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return value.requires_grad
     return value is None  # not recorded: it may
+
+
+def _single(node: Any) -> bool:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    try:
+        return value is not None and int(value.numel()) == 1
+    except Exception:  # a symbolic size: not known to be one value
+        return False
 
 
 def _requires_grad(value: Any) -> bool:
@@ -119,14 +132,14 @@ def keep_none_grads(
         result = compiled(*args)
         flat = list(result) if isinstance(result, (tuple, list)) else [result]
         got.extend(False for _ in flat)
-        needing = [(i, t) for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        needing = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if needing:
-
+            # Indices only: a closure holding the outputs would keep them alive until backward.
             def seen(grads: Sequence[torch.Tensor | None]) -> None:
-                for (i, _), grad in zip(needing, grads, strict=True):
+                for i, grad in zip(needing, grads, strict=True):
                     got[i] = grad is not None
 
-            torch.autograd.graph.register_multi_grad_hook([t for _, t in needing], seen, mode="all")
+            torch.autograd.graph.register_multi_grad_hook([flat[i] for i in needing], seen, mode="all")
         return result
 
     run.__dict__.update(getattr(compiled, "__dict__", {}))
