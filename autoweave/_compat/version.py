@@ -197,6 +197,10 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
         message("recompile-limit", "torch._dynamo.convert_frame", log_strings.RECOMPILE_LIMIT_NEEDLE),
         in_source("dynamo's graph_breaks log artifact", "torch._dynamo.symbolic_convert", '"graph_breaks"'),
         has("torch._dynamo.config.suppress_errors"),
+        # While woven calls run, hooks of inlined modules are guarded (``dynamo._InsertionOrder``).
+        has("torch._dynamo.config.skip_nnmodule_hook_guards"),
+        # A frame that fails at a woven first call runs eager with its callees (``skip_with_callees``).
+        in_source("dynamo's per-error 'frame_exec_strategy'", "torch._dynamo.exc", "frame_exec_strategy"),
         ("torch._dynamo.convert_frame.ConvertFrame.__call__(frame, ...)", _convert_frame_argument),
         message("suppressed-error", "torch._dynamo.exc", log_strings.SUPPRESSED_NEEDLE),
         ("torch._C._dynamo.eval_frame.set_code_exec_strategy", lambda: list(map(find, dynamo.EXEC_STRATEGY))),
