@@ -61,9 +61,7 @@ def partial_inputs(gm: Any, example_inputs: Sequence[Any]) -> dict[int, frozense
     return {
         source: frozenset(outs)
         for source, outs in found.items()
-        if outs != every
-        and any(_single(flat[i]) for i in outs)
-        and _requires_grad(example_inputs[source])
+        if outs != every and any(_single(flat[i]) for i in outs) and _requires_grad(example_inputs[source])
     }
 
 
@@ -78,10 +76,12 @@ def _may_need_grad(node: Any) -> bool:
 
 def _single(node: Any) -> bool:
     value = node.meta.get("example_value", node.meta.get("val"))
-    try:
-        return value is not None and int(value.numel()) == 1
-    except Exception:  # a symbolic size: not known to be one value
+    shape = getattr(value, "shape", None)
+    # Plain ints only: asking a symbolic size for its value would guard on it (specialise a
+    # dynamic length, and recompile at every new one).
+    if shape is None or not all(type(size) is int for size in shape):
         return False
+    return all(size == 1 for size in shape)
 
 
 def _requires_grad(value: Any) -> bool:
