@@ -554,16 +554,17 @@ class _Dispatcher:
         False when there is nothing new to plan around (the fallback stays, as in plain torch).
         """
         known = self._learned.get("breaks", {})
-        if self.state is State.TRIAL and located.keys() <= known.keys():
-            # The woven plan already compiles around every break this fallback names: a
-            # re-plan would weave the same regions and fall back the same way, and dropping
+        if known and located.keys() <= known.keys():
+            # The plan already knows every break this fallback names (woven around them, or
+            # left plain where it cannot): a re-plan would make the same plan and fall back the
+            # same way, and dropping
             # dynamo's cache for the code would re-trace it at every step (transformers
             # <= 5.22 under a whole-model compile checkpoint around ``__call__``, where the
             # unit's hooks sit inside the checkpoint). Learned once: the plan is kept, and
             # dynamo's cached fallback runs that checkpoint eager from now on, as plain torch does.
             logger.info(
                 "%s: dynamo still runs a checkpointed region eager (%s), a break the plan cannot "
-                "compile around; that region runs eager as in plain torch, the rest stays woven",
+                "compile around; that region runs eager as in plain torch",
                 summary.name_of(self),
                 "; ".join(sorted(set(located.values()))) or "location unknown",
             )

@@ -164,3 +164,36 @@ PIECE_COMPILED_TWICE_UNDER_SAC = Case(
 
 def test_a_piece_compiled_twice_counts_once_in_eager_sacs_figure() -> None:
     assert _differences(PIECE_COMPILED_TWICE_UNDER_SAC) == []
+
+
+# Found by the grown grammar (issue 41, seed 5028): blocks that checkpoint around `__call__` (as
+# transformers <= 5.22's layers do), each `torch.compile(block)`, a `print` in the middle. The plan
+# a fallback taught was plain (the checkpoint is in the traced `__call__`), so every later call
+# re-planned on the next block's fallback, was watched, fell back again and re-planned, dropping
+# dynamo's cache for the block's code each time: frames re-traced at every step, and under
+# `set_stance("fail_on_recompile")` (from step 1) the re-trace raised where plain torch trains.
+# A fallback that names no break the plan does not already know is now learned once.
+REPLAN_LOOP_AROUND_CALL = Case(
+    seed=5028,
+    layers=3,
+    value_type="float",
+    value_place="public",
+    values_differ=True,
+    brk="print",
+    break_at="middle",
+    ac="checkpoint-in-call",
+    form="torch.compile(block)",
+    fullgraph=False,
+    strategy="auto",
+    decorator="pass-through",
+    lengths="dynamic=True",
+    recompile_limit=2,
+    steps=3,
+    events=((1, "fail-on-recompile", 2, False, ""),),
+    hook_style="traced-list",
+    call_path="container",
+)
+
+
+def test_a_fallback_the_plan_already_knows_is_not_planned_again() -> None:
+    assert _differences(REPLAN_LOOP_AROUND_CALL) == []
