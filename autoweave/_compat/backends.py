@@ -165,14 +165,9 @@ def guard_texts(fn: Callable[..., Any]) -> Iterator[str]:
             yield from getattr(manager, "code_parts", None) or ()
 
 
-def frames_at_limit(fn: Callable[..., Any], limit: int) -> list[str]:
-    """The names of the frames of ``fn``'s region (as ``guard_texts`` walks them) holding ``limit`` entries or more."""
-    return [f.__code__.co_name for f, entries in _region_frames(fn) if len(entries) >= limit]
-
-
-def region_entries(fn: Callable[..., Any]) -> int:
-    """How many cache entries the frames of ``fn``'s region hold in all."""
-    return sum(len(entries) for _, entries in _region_frames(fn))
+def entry_counts(fn: Callable[..., Any]) -> list[tuple[str, int]]:
+    """Each frame of ``fn``'s region (as ``guard_texts`` walks them) by name, with its cache entries' count."""
+    return [(f.__code__.co_name, len(entries)) for f, entries in _region_frames(fn)]
 
 
 def guarded_attributes(fn: Callable[..., Any]) -> frozenset[str]:

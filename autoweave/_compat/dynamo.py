@@ -715,23 +715,26 @@ def lookups_in_order(
             # Any frame of the region: its own, or one dynamo resumes after a break in it. Only
             # the first frame's guards can be read before the call: if it alone is at the limit,
             # a call that fits one of its entries still runs the graphs.
-            limit = user_recompile_limit(recompile_limit)
-            at = backends.frames_at_limit(frame_fn, limit)
-            every = bool(at) and at != [frame_fn.__code__.co_name]
-            eager = every or (bool(at) and _no_entry_at_limit(frame_fn, args, kwargs, limit))
-            if not eager and not storm:
+            if storm:  # settled by the watchdog: every call from then on
+                eager = every = True
+            else:
+                limit = user_recompile_limit(recompile_limit)
+                counts = backends.entry_counts(frame_fn)  # one walk of the region's frames
+                at = [name for name, n in counts if n >= limit]
+                every = bool(at) and at != [frame_fn.__code__.co_name]
+                eager = every or (bool(at) and _no_entry_at_limit(frame_fn, args, kwargs, limit))
+            if not eager:
                 # The steady-state watchdog: a region whose frames compiled again at each of its
                 # last STORM_CALLS calls (an int attribute bumped per call, a hook appending to a
                 # list) would recompile up to the limit, step after step, where plain torch runs
                 # the block eager under its checkpoint and compiles nothing: settled now.
-                entries_seen.append(backends.region_entries(frame_fn))
+                entries_seen.append(sum(n for _, n in counts))
                 del entries_seen[: -STORM_CALLS - 1]
                 if len(entries_seen) > STORM_CALLS and all(
                     a < b for a, b in zip(entries_seen, entries_seen[1:], strict=False)
                 ):
                     storm.append(frame_fn.__code__.co_name)
-            if storm:
-                eager = every = True
+                    eager = every = True
             if eager and on_limit is not None:
                 on_limit(storm[0] if storm else at[-1], every, bool(storm))
             with suppress(TypeError):

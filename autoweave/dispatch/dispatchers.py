@@ -124,7 +124,7 @@ class _Dispatcher:
         self._generation = -1  # _state.run.generation when the tree was last read
         self._fingerprint: tuple | None = None
         self._called = False
-        self._converting = 0  # consecutive woven calls that made dynamo convert frames (the watchdog)
+        self._converting = 0  # consecutive woven calls that made dynamo compile a graph (the watchdog)
         self._outer: Callable[[], nn.Module | None] | None = None  # weakref to an enclosing AC wrapper
         self.skip_outer_checkpoint = False  # the enclosing wrapper's AC moved into the regions
         self._call_traced = True  # torch.compile(module) traces __call__; in-place compile does not
@@ -557,11 +557,10 @@ class _Dispatcher:
         if known and located.keys() <= known.keys():
             # The plan already knows every break this fallback names (woven around them, or
             # left plain where it cannot): a re-plan would make the same plan and fall back the
-            # same way, and dropping
-            # dynamo's cache for the code would re-trace it at every step (transformers
-            # <= 5.22 under a whole-model compile checkpoint around ``__call__``, where the
-            # unit's hooks sit inside the checkpoint). Learned once: the plan is kept, and
-            # dynamo's cached fallback runs that checkpoint eager from now on, as plain torch does.
+            # same way, and dropping dynamo's cache for the code would re-trace it at every step
+            # (transformers <= 5.22 under a whole-model compile checkpoint around ``__call__``,
+            # where the unit's hooks sit inside the checkpoint). Learned once: the plan is kept,
+            # and dynamo's cached fallback runs that checkpoint eager from now on, as plain torch does.
             logger.info(
                 "%s: dynamo still runs a checkpointed region eager (%s), a break the plan cannot "
                 "compile around; that region runs eager as in plain torch",

@@ -8,8 +8,8 @@ of its outputs gets a gradient, with zeros materialised for the others: the para
 zero tensor, and an optimizer's weight decay then moves it every step.
 
 So the region backend wraps a compiled graph whose differentiable inputs reach only part of
-its outputs, one of them a single value (what a host read takes): each such input enters the graph through an identity node (``Reached``) whose
-backward passes the gradient on only when at least one output the input reaches got a gradient
+its outputs, one of them a single value (what a host read takes): each such input enters the
+graph through an identity node (``Reached``) whose backward passes the gradient on only when at least one output the input reaches got a gradient
 of its own (``register_multi_grad_hook`` tells which did), and ``None`` otherwise, as eager
 autograd would. Inputs that reach every output need nothing: when none of them gets a
 gradient, autograd never runs the graph's backward at all. Most graphs have no such input and
@@ -65,18 +65,22 @@ def partial_inputs(gm: Any, example_inputs: Sequence[Any]) -> dict[int, frozense
     }
 
 
+def _example(node: Any) -> Any:
+    """What dynamo recorded ``node`` computes (a fake tensor), or None."""
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
 def _may_need_grad(node: Any) -> bool:
     import torch
 
-    value = node.meta.get("example_value", node.meta.get("val"))
+    value = _example(node)
     if isinstance(value, torch.Tensor):
         return value.requires_grad
     return value is None  # not recorded: it may
 
 
 def _single(node: Any) -> bool:
-    value = node.meta.get("example_value", node.meta.get("val"))
-    shape = getattr(value, "shape", None)
+    shape = getattr(_example(node), "shape", None)
     # Plain ints only: asking a symbolic size for its value would guard on it (specialise a
     # dynamic length, and recompile at every new one).
     if shape is None or not all(type(size) is int for size in shape):
