@@ -143,15 +143,21 @@ def _set_exec_strategy(code: Any, *, skip: bool) -> bool:
     return True
 
 
-def graphs_compiled() -> int:
-    """How many graphs dynamo has compiled in this process (0 before dynamo is imported).
+def entries_made() -> int:
+    """A count that grows whenever dynamo makes a cache entry (0 before dynamo is imported).
 
-    Not the frames it converted: a conversion that ends in a skip, or finds a frame at once
-    eager, compiles nothing (a woven pieces region converts at a length its entries do not
-    fit and runs the one that does, ``test_dynamic_shapes``).
+    Guards built (one per entry, with or without a graph) plus graphs compiled (what is left
+    where a torch names its guard-building step otherwise). Not the frames converted: a
+    conversion that ends in a skip makes no entry (a woven pieces region converts at a length
+    its entries do not fit and runs the one that does, ``test_dynamic_shapes``); a frame whose
+    only work is ``self.calls += 1`` compiles no graph but makes an entry, guarded on the new
+    value, at every call (fuzzer seed 6099).
     """
     utils = sys.modules.get("torch._dynamo.utils")
-    return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])
+    if utils is None:
+        return 0
+    built = getattr(utils, "compilation_time_metrics", {}).get("build_guards", ())
+    return int(utils.counters["stats"]["unique_graphs"]) + len(built)
 
 
 def skip_with_callees(error: BaseException) -> bool:
@@ -554,6 +560,12 @@ def would_convert(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     return _none_fits(fn, entries, args, kwargs)
 
 
+def recompile_refused(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Would this call of ``fn`` recompile its frame (entries there, none fits)? Doubt answers False."""
+    entries = cache_entries(fn.__code__)
+    return bool(entries) and _none_fits(fn, entries, args, kwargs)
+
+
 def _none_fits(
     fn: Callable[..., Any], entries: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> bool:
@@ -639,6 +651,7 @@ def lookups_in_order(
     converted: Callable[..., Any] | None = None,
     recompile_limit: int | None = None,
     on_limit: Callable[[str, bool, bool], None] | None = None,
+    on_refused: Callable[[], None] | None = None,
 ) -> Callable[..., Any]:
     """``compiled`` with dynamo's cache entries looked up in the order they were made.
 
@@ -684,7 +697,9 @@ def lookups_in_order(
     region exists because autoweave wove its module, which plain torch runs
     eager: a block whose checkpoint falls back, or the glue of a whole-model
     compile whose loop over such blocks breaks (dynamo then skips the frame).
-    A plain compile (no region) raises as the user asked.
+    A plain compile (no region) raises as the user asked. ``on_refused`` is told
+    when the region's first frame, holding entries, fits none of them (a recompile
+    refused: that call runs eager).
     """
     order = _insertion_order()
     if order is None and inputs is None:
@@ -693,7 +708,7 @@ def lookups_in_order(
         # Never converted by a compile whose frame calls the block (a fullgraph checkpoint
         # wrapper's): autoweave's own code, eager as in_order's own frame is.
         inputs = outside_dynamo(inputs, traced_as=inputs)
-    uncompiled = at_limit = None
+    uncompiled = at_limit = frame_fn = None
     if eager is not None:
         uncompiled = outside_dynamo(eager, traced_as=eager)
         frame_fn = converted or eager
@@ -752,7 +767,12 @@ def lookups_in_order(
         # Under ``fail_on_recompile`` a frame of the region that fits none of its graphs (a
         # block frozen after warm-up fails their requires_grad guards) runs eager, not raise:
         # plain torch runs the module eager, never compiling it (issue 41, item 5).
-        stance = recompiles_run_eager() if fails_on_recompile() else nullcontext()
+        stance: Any = nullcontext()
+        if fails_on_recompile():
+            stance = recompiles_run_eager()
+            first = frame_fn or getattr(compiled, "__wrapped__", None)  # the function it compiles
+            if on_refused is not None and callable(first) and recompile_refused(first, args, kwargs):
+                on_refused()
         if eager is not None:
             # The limit is kept at the region's entry (above); inside, no frame may reach
             # dynamo's, which would run that frame eager in the forward or in the recompute

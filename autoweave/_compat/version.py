@@ -181,6 +181,9 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
         has("torch._dynamo.disable"),
         has("torch._dynamo.reset_code"),
         has("torch._dynamo.utils.counters"),
+        # The dispatcher's watchdog counts entries by their guard builds (``dynamo.entries_made``).
+        in_source("dynamo's 'build_guards' timing", "torch._dynamo.convert_frame", '"build_guards"'),
+        has("torch._dynamo.utils.compilation_time_metrics"),
         has("torch._dynamo.backends.registry.lookup_backend"),
         has("torch._TorchCompileInductorWrapper"),
         has("torch._TorchCompileWrapper"),

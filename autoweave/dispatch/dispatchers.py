@@ -319,7 +319,7 @@ class _Dispatcher:
         """A call of the woven regions, watched for the steady state (the watchdog).
 
         After warm-up a woven module compiles nothing plain torch would not. One that still
-        makes dynamo compile a graph at each of ``STORM_CALLS`` calls in a row (an int attribute
+        makes dynamo make a cache entry at each of ``STORM_CALLS`` calls in a row (an int attribute
         bumped per call, a hook appending to a list: a new guard value each time) would
         recompile up to the limit, step after step: it is settled into plain torch.compile's
         behaviour, with one warning naming it. Settled at the entry of a later forward, never
@@ -329,10 +329,10 @@ class _Dispatcher:
         if self._converting >= _compat.dynamo.STORM_CALLS and not _compat.checkpoints.in_backward():
             self._settle()
             return self.call(*args, **kwargs)
-        before = _compat.dynamo.graphs_compiled()
+        before = _compat.dynamo.entries_made()
         out = self._eager(*args, **kwargs)
         if not _compat.checkpoints.in_backward():  # a recompute is not a call of the forward
-            self._converting = self._converting + 1 if _compat.dynamo.graphs_compiled() != before else 0
+            self._converting = self._converting + 1 if _compat.dynamo.entries_made() != before else 0
         return out
 
     def _settle(self) -> None:

@@ -244,6 +244,10 @@ def _without_checkpoint(wrapper: nn.Module) -> Callable[..., Any]:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if runs_eager(args, kwargs):
+            if _compat.dynamo.fails_on_recompile():
+                warn_each(
+                    f"fail-on-recompile:{id(wrapper)}", refused_note(f"{type(wrapper).__name__} (pieces)")
+                )
             return _compat.modules.checkpoint_fn(wrapper)(eager, *args, **kwargs)
         return inner(*args, **kwargs)
 
@@ -361,7 +365,24 @@ def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any])
         if told:  # once per region, as the warning
             _events.publish(_events.AT_LIMIT, label)
 
-    return {"eager": region, "recompile_limit": region_kw.get("recompile_limit"), "on_limit": on_limit}
+    def on_refused() -> None:
+        warn_each(f"fail-on-recompile:{label}", refused_note(f"woven region {label}"))
+
+    return {
+        "eager": region,
+        "recompile_limit": region_kw.get("recompile_limit"),
+        "on_limit": on_limit,
+        "on_refused": on_refused,
+    }
+
+
+def refused_note(what: str) -> str:
+    """The warning for a call that would recompile under ``set_stance("fail_on_recompile")``."""
+    return (
+        f"[fail-on-recompile] {what}: a call none of its graphs fits runs eager under its checkpoint "
+        "(the stance forbids compiling it again). Plain torch runs such a block eager too, or raises "
+        "where its own frame around the block recompiles. TORCH_LOGS=recompiles says which guard failed"
+    )
 
 
 def _run_wrappers_eagerly(region: Callable[..., Any]) -> Callable[..., Any]:

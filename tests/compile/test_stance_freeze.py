@@ -116,11 +116,15 @@ def _assert_same(plain: list, woven: list, *, frozen_eager: bool = False) -> Non
     [("full", "auto"), ("selective", "auto"), ("selective", "pieces")],
     ids=["full", "selective", "selective-pieces"],
 )
-def test_frozen_blocks_train_where_plain_torch_trains(ac, strategy, which):
+def test_frozen_blocks_train_where_plain_torch_trains(ac, strategy, which, capsys):
     plain, plain_error, _ = _run(ac, which, breaks=True, plain=True, strategy=strategy)
     assert plain_error is None, plain_error  # the case itself: plain torch runs these blocks eager
+    capsys.readouterr()
     woven, error, step = _run(ac, which, breaks=True, plain=False, strategy=strategy)
     assert error is None, f"step {step}: {error!r}"
+    # Said once: a refused recompile runs the block eager (a performance cost the stance hides).
+    if which == "block":
+        assert "[fail-on-recompile]" in capsys.readouterr().err
     _assert_same(plain, woven, frozen_eager=which == "block")
     assert woven[-1][1][f"1.{_OUT}.weight"] is None  # frozen: no grad, as in plain torch
 

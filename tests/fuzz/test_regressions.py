@@ -197,3 +197,39 @@ REPLAN_LOOP_AROUND_CALL = Case(
 
 def test_a_fallback_the_plan_already_knows_is_not_planned_again() -> None:
     assert _differences(REPLAN_LOOP_AROUND_CALL) == []
+
+
+# Whole-model compile, selective AC woven as pieces, `self.calls += 1` before an `.item()` break
+# (seed 6099): the frame before the break compiles no graph, only an entry guarded on the new
+# count, at every call. The watchdog counted graphs compiled and never fired: the pieces frames
+# recompiled to dynamo's limit, one call ran without its checkpoint (activation memory 1.24x
+# plain's) and the step after warm-up converted frames (plain: none).
+COUNTER_BEFORE_A_BREAK_UNDER_PIECES = Case(
+    seed=6099,
+    layers=3,
+    value_type="bool",
+    value_place="argument",
+    values_differ=True,
+    brk="item",
+    break_at="first",
+    ac="selective-matmuls",
+    form="torch.compile(model)",
+    fullgraph=False,
+    strategy="auto",
+    decorator="computing",
+    lengths="mark_dynamic",
+    recompile_limit=None,
+    steps=3,
+    events=(),
+    hook_style="activation-stats",
+    call_path="forward",
+    counter=True,
+    stat_gate=True,
+)
+
+
+def test_a_counter_that_recompiles_a_graphless_frame_is_settled_by_the_watchdog(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _differences(COUNTER_BEFORE_A_BREAK_UNDER_PIECES) == []
+    assert "[steady-state] FuzzModel" in capsys.readouterr().err
