@@ -4,8 +4,9 @@ Runs the drivers of the real-clients lane (``tests/clients/<client>_worker.py``:
 FSDP2 plugin with regional and whole-model compile, the transformers Trainer with
 ``torch_compile=True``, torchtitan's ``parallelize_qwen3``, NeMo Automodel's MoE parallelizer
 with its AC and per-layer compile, transformers' native FSDP2 loading per compile form, prime-rl's
-wrapping order, Lightning's ``ModelParallelStrategy``), each in a subprocess (2 gloo ranks under
-torchrun where the client supports it), once per setting: eager (no compile), plain
+wrapping order, transformers 5.22's checkpoint around ``__call__``, Lightning's
+``ModelParallelStrategy``), each in a subprocess (2 gloo ranks under torchrun where the client
+supports it), once per setting: eager (no compile), plain
 ``torch.compile`` (``AUTOWEAVE`` unset), "bound" (plain ``torch.compile`` on the same layer without
 the nested FSDP unit, where the worker can build it: ``BOUND``), autoweave's default
 (``AUTOWEAVE=1``) and each strategy forced (``AUTOWEAVE_STRATEGY``).
@@ -28,10 +29,13 @@ For each run, printed as one Markdown table per client (and written with ``--jso
   bound's. Plain often compiles none of the layers (it falls back to eager under the checkpoint), so
   "vs plain" compares against compiling nothing; "vs bound" compares against plain compiling the
   same layers whole when nothing nests (``docs/benchmarks.md``, "Step-1 CPU: vs plain, vs bound");
+- frames after warm-up, CPU s per step after warm-up (workers that report them, ``hf_call_worker``):
+  dynamo frames converted in the last steps, and user + system CPU seconds per such step, summed
+  over the ranks, with autoweave's over plain's and over the bound's;
 - report: with ``AUTOWEAVE_REPORT``, the report's headline (modules planned/woven, graphs, ops,
   recompiles, fallbacks, fail-open counts), beside the profiler's count.
 
-    python benchmarks/clients.py [--clients accelerate,trainer,torchtitan,native,primerl,nemo,lightning] [--json out.json]
+    python benchmarks/clients.py [--clients accelerate,trainer,torchtitan,native,primerl,nemo,hf_call,lightning] [--json out.json]
 
 Needs the lane's venv (``.ci/clients`` builds it in ``build/clients-venv``); a client whose
 package is missing is skipped.
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -53,6 +58,8 @@ sys.path.insert(0, str(HERE.parent / "tests" / "clients"))
 import _runner  # noqa: E402  tests/clients/_runner.py
 
 STRATEGIES = ("plain", "autoweave", "hoist", "pieces")
+# Where transformers 5.22.2 lies for the hf_call client (.ci/clients installs it there, --no-deps).
+HF_CALL_PATH = Path(os.environ.get("HF_CALL_PATH", HERE.parent / "build" / "transformers-5.22"))
 
 # The "bound" setting: plain torch.compile (AUTOWEAVE unset) with these worker args added, the same
 # model with nothing nested inside a checkpointed layer (what plain compiles when nothing breaks it).
@@ -65,6 +72,8 @@ BOUND: dict[str, list[str]] = {
     "primerl_worker": ["--units", "layer"],
     # the experts in their block's unit
     "lightning_worker": ["--units", "layer"],
+    # the layers' units only
+    "hf_call_worker": ["--units", "layer"],
 }
 # Why a worker (or one table, by its title) has no bound: printed under its tables, and in the JSON rows.
 NO_BOUND: dict[str, str] = {
@@ -206,6 +215,21 @@ CLIENTS: dict[str, tuple[str, list[tuple[str, str, list[str], int, tuple[str, ..
             ),
         ],
     ),
+    # transformers <= 5.22: its layers checkpoint around ``__call__`` (issue 41, item 4). The lane
+    # runs it with transformers 5.22.2 first on PYTHONPATH (``HF_CALL_PATH``).
+    "hf_call": (
+        "transformers",
+        [
+            (
+                f"transformers 5.22 HF gradient checkpointing (around __call__), experts unit, FSDP2, fp32, {form}",
+                "hf_call_worker",
+                ["--compile", form],
+                2,
+                ("plain", "bound", "autoweave"),
+            )
+            for form in ("layer", "whole")
+        ],
+    ),
     "lightning": (
         "lightning",
         [
@@ -240,7 +264,7 @@ def _eager_args(worker: str, args: list[str]) -> list[str]:
                 continue
             out.append(a)
         return out + ["--compile", "none"]
-    if worker in ("trainer_worker", "lightning_worker", "native_worker"):
+    if worker in ("trainer_worker", "lightning_worker", "native_worker", "hf_call_worker"):
         return args + ["--eager"]
     return args + ["--no-compile"]
 
@@ -280,6 +304,8 @@ def measure(table: str, worker: str, args: list[str], nproc: int, setting: str, 
     with_report = key != "plain" and not (worker == "torchtitan_worker" and setting == "autoweave")
     if with_report:
         env["AUTOWEAVE_REPORT"] = str(report)
+    if worker == "hf_call_worker":  # transformers 5.22.2 first on the path, this client only
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HF_CALL_PATH), os.environ.get("PYTHONPATH")) if p)
     run = _runner.run_worker(worker, key, wargs, nproc=nproc, env=env, timeout=900)
     row: dict[str, Any] = dict(run.result or {})
     row.update(table=table, setting=setting, worker_setting=row.get("setting"), ok=run.ok, wall_s=run.wall_s)
@@ -314,6 +340,9 @@ def add_ratios(table_rows: list[dict[str, Any]], table: str, worker: str) -> Non
         cpu = row.get("step1_cpu_s")
         row["step1_cpu_vs_plain"] = _ratio(cpu, plain.get("step1_cpu_s")) if woven else None
         row["step1_cpu_vs_bound"] = _ratio(cpu, bound.get("step1_cpu_s")) if woven else None
+        steady = row.get("steady_cpu_s")  # workers that report it: CPU per step after warm-up
+        row["steady_cpu_vs_plain"] = _ratio(steady, plain.get("steady_cpu_s")) if woven else None
+        row["steady_cpu_vs_bound"] = _ratio(steady, bound.get("steady_cpu_s")) if woven else None
         row["bound_note"] = NO_BOUND.get(table) or NO_BOUND.get(worker)
 
 
@@ -328,7 +357,7 @@ def _fmt_row(row: dict[str, Any], eager: dict[str, Any] | None) -> str:
 
     if not row.get("ok"):
         err = str(row.get("error", "")).replace("|", "/")[:110]
-        return f"| {row['setting']} | **no**: {err} |" + " |" * 12 + f" {g('wall_s')} | |"
+        return f"| {row['setting']} | **no**: {err} |" + " |" * 14 + f" {g('wall_s')} | |"
     total = (row.get("fwd_gemms_eager") or 0) + (row.get("fwd_gemms_compiled") or 0)
     gemms = f"{row['fwd_gemms_eager']} of {total}" if row.get("fwd_gemms_eager") is not None else "-"
     mem = "-"
@@ -358,13 +387,17 @@ def _fmt_row(row: dict[str, Any], eager: dict[str, Any] | None) -> str:
                 f"; measured: {measured['eager_gemms']} eager fwd GEMMs in compiled modules, "
                 f"{measured['fully_compiled']}/{measured['modules']} fully compiled"
             )
+    steady = "-"
+    if row.get("steady_cpu_s") is not None:
+        steady = f"{row['steady_cpu_s']} ({x('steady_cpu_vs_plain')} plain, {x('steady_cpu_vs_bound')} bound)"
     vs_bound = x("step1_cpu_vs_bound")
     if vs_bound == "-" and row.get("bound_note") and row["setting"] not in ("eager", "plain"):
         vs_bound = "n/a"
     return (
         f"| {row['setting']} | yes | {g('fallbacks')} | {g('compiles')} / {g('recompiles')} | {g('frames')} "
         f"| {g('graphs')} / {g('ops')} | {gemms} | {mem} | {bwd} | {diff} | {g('first_step_s')} "
-        f"| {g('step1_cpu_s')} | {x('step1_cpu_vs_plain')} | {vs_bound} | {g('wall_s')} | {rep_s} |"
+        f"| {g('step1_cpu_s')} | {x('step1_cpu_vs_plain')} | {vs_bound} | {g('steady_frames')} | {steady} "
+        f"| {g('wall_s')} | {rep_s} |"
     )
 
 
@@ -406,8 +439,8 @@ def summary(rows: list[dict[str, Any]]) -> str:
 HEADER = (
     "| setting | runs? | AC fallbacks | compiles / recompiles | frames | graphs / ops | eager fwd GEMMs "
     "| act. memory vs eager | bwd GEMMs | max rel loss diff | first step s | step-1 CPU s | step-1 CPU vs plain "
-    "| vs bound | wall s | report |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| vs bound | frames after warm-up | CPU s per step after warm-up | wall s | report |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -422,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_s)
         for client in [c.strip() for c in args.clients.split(",") if c.strip()]:
             package, tables = CLIENTS[client]
+            if client == "hf_call" and not (HF_CALL_PATH / "transformers").is_dir():
+                print(f"\n{client}: no transformers 5.22 at {HF_CALL_PATH} (HF_CALL_PATH); skipped\n")
+                continue
             if not _runner.importable(package):
                 print(f"\n{client}: {package} is not installed; skipped (.ci/clients builds the venv)\n")
                 continue
