@@ -334,7 +334,8 @@ def differences(case: Case, plain: Outcome, woven: Outcome, bound: Outcome) -> l
         return out
     if refused:  # compared up to plain's last step; nothing after it is plain's
         if not all(
-            math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6) for a, b in zip(plain.losses, woven.losses)
+            math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
+            for a, b in zip(plain.losses, woven.losses, strict=False)
         ):
             out.append(f"losses: plain {plain.losses}, autoweave {woven.losses[: len(plain.losses)]}")
         return out
