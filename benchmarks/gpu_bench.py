@@ -95,6 +95,8 @@ TIERS = (
 HAND = ("hand_weave", "ac_compile")
 WOVEN = tuple(name for name in LABELS if "autoweave" in name)
 AC_MODES = ("full", "selective")
+# The CPU proxy (--variants census): the bound against autoweave under each strategy.
+CENSUS_VARIANTS = ("upper_bound", "autoweave", "autoweave:hoist", "autoweave:pieces")
 # A torchtitan-style selective AC: save the GEMMs' and attention's outputs, recompute the rest.
 SAVE_OPS = frozenset(
     getattr(torch.ops.aten, name).default
@@ -475,6 +477,14 @@ def run_variant(name: str, ac: str, cfg: Config, deadline: float) -> dict[str, A
         for i in range(3, a.warmup):
             step(i)
         cfg.sync()
+        if a.census:  # one more step, profiled: what runs outside compiled graphs (issue 42)
+            inputs, targets = batch[0]
+            prof = measure.profiled_step(
+                lambda: model(inputs),
+                lambda logits: F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward(),
+            )
+            opt.zero_grad(set_to_none=True)
+            rec["census"] = measure.step_census(prof)
         rec["warmup_peak_mem_gib"] = torch.cuda.max_memory_allocated(cfg.device) / 2**30 if cfg.cuda else None
         if cfg.cuda:
             torch.cuda.reset_peak_memory_stats(cfg.device)
@@ -739,6 +749,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--loss-rtol", type=float, default=None, help="losses match eager within (bf16 2e-2, fp32 1e-4)"
     )
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--census",
+        action="store_true",
+        help="profile one step after warm-up: aten ops outside compiled graphs, graphs called (with "
+        "--variants census: the bound and autoweave's strategies only, and the census table)",
+    )
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     model = dict(SMOKE_MODEL if a.smoke else GPU_MODEL)
@@ -757,6 +773,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.loss_rtol is None:
         a.loss_rtol = 2e-2 if a.dtype == "bfloat16" else 1e-4
     a.ac_modes = [m for m in a.ac.split(",") if m]
+    if a.variants == "census":
+        a.variants, a.census = ",".join(CENSUS_VARIANTS), True
     wanted = a.variants.split(",") if a.variants else list(LABELS)
     unknown = sorted(set(wanted) - set(LABELS)) + sorted(set(a.ac_modes) - set(AC_MODES))
     if unknown:
@@ -897,7 +915,7 @@ def _write(
     data = {"meta": meta, "variants": records, "skipped": skipped, "errors": errors, **summary}
     out = cfg.args.out
     (out / "gpu_bench.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
-    table = markdown(records, meta, summary)
+    table = markdown(records, meta, summary) + census_table(records)
     (out / "gpu_bench.md").write_text(table)
     if with_chart:
         try:
@@ -905,6 +923,41 @@ def _write(
         except ImportError:
             log("matplotlib is not installed: no chart")
     return table
+
+
+def census_table(records: list[dict[str, Any]]) -> str:
+    """The census of each variant profiled (``--census``): ops outside graphs and graphs, per phase.
+
+    "beyond the bound": the aten ops a variant ran outside compiled graphs and outside FSDP's hooks,
+    forward and backward, more often than the bound of the same AC mode did (op: extra calls); each
+    is a candidate to move into a graph. FSDP's ops are the units' own (the nested unit adds its
+    hooks' copies and collectives: the bound has no such unit).
+    """
+    rows = [r for r in records if r.get("census")]
+    if not rows:
+        return ""
+    lines = [
+        "\n### Census: one training step after warm-up, ops outside compiled graphs\n",
+        "| AC | variant | fwd eager ops | fwd FSDP ops | fwd graphs | bwd eager ops | bwd FSDP ops "
+        "| recompute graphs | bwd graphs | eager ops beyond the bound |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        fwd, bwd = r["census"]["forward"], r["census"]["backward"]
+        bound = next((b for b in rows if b["ac"] == r["ac"] and b["variant"] == "upper_bound"), None)
+        extra = "-"
+        if bound is not None and bound is not r:
+            ours: dict[str, int] = {}
+            for phase in ("forward", "backward"):
+                for op, n in r["census"][phase]["eager_by_op"].items():
+                    ours[op] = ours.get(op, 0) + n - bound["census"][phase]["eager_by_op"].get(op, 0)
+            extra = ", ".join(f"{op.removeprefix('aten::')} +{n}" for op, n in sorted(ours.items()) if n > 0)
+            extra = extra or "none"
+        lines.append(
+            f"| {r['ac']} | {r['variant']} | {fwd['eager_ops']} | {fwd['fsdp_ops']} | {fwd['forward_graphs']} "
+            f"| {bwd['eager_ops']} | {bwd['fsdp_ops']} | {bwd['forward_graphs']} | {bwd['backward_graphs']} | {extra} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def log(message: str) -> None:

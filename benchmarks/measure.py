@@ -116,3 +116,74 @@ def heap_in_use() -> int | None:
     fn.restype = _MallInfo2
     info = fn()
     return int(info.uordblks + info.hblkhd)
+
+
+# What a training step runs outside compiled graphs (issue 42's CPU proxy): profiler ranges.
+COMPILED_RANGES = ("CompiledFunction", "CompiledFunctionBackward")
+FSDP_RANGE = "FSDP::"  # FSDP2's record_function labels: its hooks' all-gathers, copies, reduce-scatters
+STEP_RANGES = ("census::forward", "census::backward")
+
+
+def profiled_step(forward: Any, backward: Any) -> Any:
+    """``backward(forward())`` under the CPU profiler (and CUDA's where there is one), each phase labelled."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.record_function(STEP_RANGES[0]):
+            out = forward()
+        with torch.profiler.record_function(STEP_RANGES[1]):
+            backward(out)
+    return prof
+
+
+def step_census(profile: Any) -> dict[str, Any]:
+    """What one profiled step (``profiled_step``) ran, by phase: graphs called, and aten ops outside graphs.
+
+    ``eager_ops``: aten ops (the outermost of a nest: ``addmm`` calling ``mm`` counts once) run outside
+    every compiled graph and outside FSDP's hooks, by name; ``fsdp_ops``: those inside FSDP's ranges
+    (the units' own copies and collectives); ``graphs``: compiled forward graphs called (in backward: a
+    checkpoint's recompute running them again) and backward graphs. A phase is the interval of its
+    label (the backward's ops may run on autograd's own threads, outside its range's nesting).
+    """
+    import collections
+
+    events = list(profile.events())
+    spans = {}
+    for event in events:
+        if event.name in STEP_RANGES:
+            spans[event.name] = (event.time_range.start, event.time_range.end)
+    out: dict[str, Any] = {}
+    for label in STEP_RANGES:
+        start, end = spans.get(label, (0, -1))
+        eager: collections.Counter[str] = collections.Counter()
+        fsdp: collections.Counter[str] = collections.Counter()
+        graphs = collections.Counter()
+        for event in events:
+            if not start <= event.time_range.start <= end:
+                continue
+            if event.name in COMPILED_RANGES:
+                graphs[event.name] += 1
+                continue
+            if not event.name.startswith("aten::"):
+                continue
+            parent, inside, in_fsdp = event.cpu_parent, False, False
+            while parent is not None:
+                if parent.name in COMPILED_RANGES or parent.name.startswith("aten::"):
+                    inside = True  # in a graph, or nested in an op counted already
+                    break
+                in_fsdp = in_fsdp or parent.name.startswith(FSDP_RANGE)
+                parent = parent.cpu_parent
+            if not inside:
+                (fsdp if in_fsdp else eager)[event.name] += 1
+        phase = label.split("::", 1)[1]
+        out[phase] = {
+            "eager_ops": sum(eager.values()),
+            "fsdp_ops": sum(fsdp.values()),
+            "forward_graphs": graphs["CompiledFunction"],
+            "backward_graphs": graphs["CompiledFunctionBackward"],
+            "eager_by_op": dict(eager.most_common()),
+        }
+    return out

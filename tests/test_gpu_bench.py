@@ -164,3 +164,27 @@ def check_grouped_layout() -> None:
     expert = chosen.reshape(-1)[order]
     assert all(starts[e] <= d < offsets[e] for e, d in zip(expert.tolist(), dest.tolist(), strict=True))
     print("layout ok")
+
+
+@pytest.mark.slow
+def test_the_census_counts_what_runs_outside_graphs(tmp_path: Path) -> None:
+    # Issue 42's CPU proxy: the bound and autoweave's strategies, one profiled step each.
+    proc = _run(tmp_path, "--variants", "census", "--ac", "full", "--steps", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "gpu_bench.json").read_text())["variants"]}
+    assert set(rows) == {"upper_bound", "autoweave", "autoweave:hoist", "autoweave:pieces"}
+    bound = rows["upper_bound"]["census"]
+    # The bound compiles each block whole, its checkpoint inside the graph: a few ops of glue outside
+    # (the embedding, the loss), no recompute of a forward graph in backward.
+    assert bound["forward"]["forward_graphs"] >= 2 and bound["forward"]["eager_ops"] <= 5, bound
+    assert bound["backward"]["forward_graphs"] == 0 and bound["backward"]["backward_graphs"] >= 2, bound
+    for name in ("autoweave", "autoweave:hoist", "autoweave:pieces"):
+        census = rows[name]["census"]
+        # Woven around the experts' unit: more graphs, and that unit's own hooks inside FSDP's ranges.
+        assert census["forward"]["forward_graphs"] > bound["forward"]["forward_graphs"], name
+        assert census["forward"]["fsdp_ops"] > bound["forward"]["fsdp_ops"], name
+        assert sum(census["forward"]["eager_by_op"].values()) == census["forward"]["eager_ops"], name
+    # An eager checkpoint recomputes the hoisted region's graphs; pieces recompute inside theirs.
+    assert rows["autoweave:hoist"]["census"]["backward"]["forward_graphs"] > 0
+    assert rows["autoweave:pieces"]["census"]["backward"]["forward_graphs"] == 0
+    assert "### Census: one training step after warm-up" in proc.stdout
