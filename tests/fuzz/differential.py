@@ -192,6 +192,9 @@ def _train(case: Case, outcome: Outcome, *, on: bool) -> None:
         for layer, on_sub, kind in hooks:
             name = f"{layer}.{on_sub}.{kind}"
             outcome.forward_passes[name] = outcome.forward_passes.get(name, 0) + 1
+        if case.autocast:  # mixed precision as trainers run it: the loss in fp32
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return call(x).float()
         return call(x)
 
     with _compiles(outcome) as reregister:

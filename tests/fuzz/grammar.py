@@ -76,6 +76,7 @@ class Case:
     call_path: str = "forward"
     counter: bool = False  # ``self.calls += 1`` in forward
     stat_gate: bool = False  # a gate whose output only feeds ``.item()`` (its grad stays None)
+    autocast: bool = False  # every forward under ``torch.autocast("cpu", dtype=torch.bfloat16)``
 
     def describe(self) -> str:
         fields = dataclasses.asdict(self)
@@ -146,6 +147,7 @@ def _grown(case: Case, rng: random.Random) -> Case:
         call_path=rng.choice(CALL_PATHS),
         counter=rng.random() < 0.25,
         stat_gate=rng.random() < 0.3,
+        autocast=rng.random() < 0.2,  # drawn last: every earlier choice of a seed is unchanged
     )
 
 
