@@ -326,7 +326,14 @@ class _Dispatcher:
         between a forward and its recompute (which must run what the forward ran), as a
         re-plan is (``_on_hidden_fallback``).
         """
-        if self._converting >= _compat.dynamo.STORM_CALLS and not _compat.checkpoints.in_backward():
+        # Not under ``fail_on_recompile``: plain torch.compile's frames, converted again once
+        # settled, would raise there, and no woven region compiles under it (a call none of its
+        # graphs fits runs eager), so the storm is over (fuzzer seed 8129).
+        if (
+            self._converting >= _compat.dynamo.STORM_CALLS
+            and not _compat.checkpoints.in_backward()
+            and not _compat.dynamo.fails_on_recompile()
+        ):
             self._settle()
             return self.call(*args, **kwargs)
         before = _compat.dynamo.entries_made()

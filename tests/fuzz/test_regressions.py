@@ -233,3 +233,38 @@ def test_a_counter_that_recompiles_a_graphless_frame_is_settled_by_the_watchdog(
 ) -> None:
     assert _differences(COUNTER_BEFORE_A_BREAK_UNDER_PIECES) == []
     assert "[steady-state] FuzzModel" in capsys.readouterr().err
+
+
+# Each block compiled, `self.calls += 1`, `set_stance("fail_on_recompile")` from step 2 (seed 8129):
+# the watchdog settled a block at step 3, under the stance, into plain torch.compile, whose frame
+# dynamo then converted again and refused: RuntimeError where plain torch trains. Under the stance
+# no woven region compiles (a call none of its graphs fits runs eager): nothing to settle.
+SETTLE_UNDER_FAIL_ON_RECOMPILE = Case(
+    seed=8129,
+    layers=3,
+    value_type="str",
+    value_place="public",
+    values_differ=True,
+    brk="disabled-call",
+    break_at="last",
+    ac="selective-nothing",
+    form="torch.compile(block)",
+    fullgraph=False,
+    strategy="hoist",
+    decorator="pass-through",
+    lengths="dynamic=True",
+    recompile_limit=None,
+    steps=4,
+    events=(
+        (1, "eval-step", 0, False, ""),
+        (2, "fail-on-recompile", 2, False, ""),
+        (2, "hook-add", 1, True, "pre"),
+    ),
+    hook_style="activation-stats",
+    call_path="forward",
+    counter=True,
+)
+
+
+def test_the_watchdog_does_not_settle_under_fail_on_recompile() -> None:
+    assert _differences(SETTLE_UNDER_FAIL_ON_RECOMPILE) == []
