@@ -45,6 +45,7 @@ if importlib.util.find_spec("tqdm") is None:  # examples/train_moe.py imports it
 
 import measure  # noqa: E402 - benchmarks/measure.py, beside this script
 import moe_variants as mv  # noqa: E402 - the example model (mv.tm), the hand sibling weave, peak RSS
+import qwen3_client  # noqa: E402 - the second model (--model qwen3)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -300,11 +301,16 @@ def fresh_model(margs: Any, device: torch.device, dtype: torch.dtype, seed: int)
 
 def build(name: str, ac: str, backend: Any, cfg: Config) -> nn.Module:
     """The model as variant ``name`` parallelizes it (AC, then compile, then FSDP, as torchtitan orders it)."""
-    model = fresh_model(cfg.margs, cfg.device, cfg.dtype, cfg.seed)
     wrap = mv._ckpt_wrapper()  # looked up now: autoweave's patch when it is on
     ckw: dict[str, Any] = {"preserve_rng_state": False}
     if ac == "selective":
         ckw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, save_list_policy)
+    if isinstance(cfg.margs, qwen3_client.Qwen3Args):
+        fresh = functools.partial(
+            qwen3_client.fresh_model, cfg.margs, cfg.device, cfg.dtype, cfg.seed, init_params
+        )
+        return qwen3_client.build(name, ckw, wrap, backend, cfg, fresh)
+    model = fresh_model(cfg.margs, cfg.device, cfg.dtype, cfg.seed)
     base, _, strategy = name.partition(":")
     for key, block in model.layers.items():
         if base == "eager":
@@ -499,7 +505,9 @@ def run_variant(name: str, ac: str, cfg: Config, deadline: float) -> dict[str, A
         rec["step_s"] = statistics.median(times)
         rec["tokens_per_s"] = a.batch * cfg.margs.seq_len / rec["step_s"]
         if a.peak_tflops:
-            rec["mfu"] = flops_per_step(cfg.margs, a.batch) / rec["step_s"] / (a.peak_tflops * 1e12)
+            rec["mfu"] = (
+                _fns(cfg.margs).flops_per_step(cfg.margs, a.batch) / rec["step_s"] / (a.peak_tflops * 1e12)
+            )
         if cfg.cuda:
             rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(cfg.device) / 2**30
             rec["peak_mem_kind"] = "torch.cuda.max_memory_allocated, timed steps"
@@ -614,14 +622,26 @@ def _fmt(key: str, value: Any) -> str:
     return formats[key].format(value) if key in formats else str(value)
 
 
+def _shape_text(meta: dict[str, Any]) -> str:
+    m = meta["model"]
+    if "num_hidden_layers" in m:  # --model qwen3
+        return (
+            f"transformers Qwen3-MoE, {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
+            f"{m['num_experts']} experts top-{m['num_experts_per_tok']}, experts: {m['experts_impl']}"
+        )
+    return (
+        f"the example MoE, {m['n_layers']} blocks, dim {m['dim']}, {m['n_routed_experts']} experts "
+        f"top-{m['top_k']}, experts' GEMMs: {meta['experts_gemm']}"
+    )
+
+
 def markdown(records: list[dict[str, Any]], meta: dict[str, Any], summary: dict[str, Any]) -> str:
     a = meta["args"]
     title = "CPU smoke run (format check, not a result)" if a["smoke"] else f"{meta['device_name']}"
     lines = [
         f"### gpu_bench: {title}",
         "",
-        f"{meta['params']:,} parameters ({meta['model']['n_layers']} blocks, dim {meta['model']['dim']}, "
-        f"{meta['model']['n_routed_experts']} experts top-{meta['model']['top_k']}, experts' GEMMs: {meta['experts_gemm']}), "
+        f"{meta['params']:,} parameters ({_shape_text(meta)}), "
         f"{a['batch']} x {meta['model']['seq_len']} tokens, {a['dtype']}, backend {a['backend']}, FSDP2 on 1 rank "
         f"({meta['pg_backend']}); torch {meta['torch']}; {meta['date']}; {meta['wall_s']:.0f} s.",
         "",
@@ -733,6 +753,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype", default=None, choices=("bfloat16", "float32"), help="model dtype (GPU bf16, smoke fp32)"
     )
     p.add_argument("--experts-gemm", default="auto", choices=("auto", "grouped_mm", "bmm"))
+    p.add_argument(
+        "--model",
+        dest="model_name",
+        default="example",
+        choices=("example", "qwen3"),
+        help="the example MoE, or transformers' Qwen3-MoE at Qwen3-30B-A3B's layer shapes (qwen3_client.py)",
+    )
+    p.add_argument(
+        "--experts-impl",
+        default="grouped_mm",
+        help="qwen3: transformers' experts_implementation (grouped_mm, batched_mm, eager)",
+    )
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant (GPU 10, smoke 2)")
     p.add_argument(
@@ -757,13 +789,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    model = dict(SMOKE_MODEL if a.smoke else GPU_MODEL)
-    for flag, key in (
-        ("layers", "n_layers"),
-        ("dim", "dim"),
-        ("seq_len", "seq_len"),
-        ("experts", "n_routed_experts"),
-    ):
+    qwen3 = a.model_name == "qwen3"
+    if qwen3:
+        model = dict(qwen3_client.SMOKE_MODEL if a.smoke else qwen3_client.GPU_MODEL)
+        keys = ("num_hidden_layers", "hidden_size", "seq_len", "num_experts")
+        if not a.smoke and a.batch is None:
+            a.batch = qwen3_client.GPU_RUN["batch"]
+    else:
+        model = dict(SMOKE_MODEL if a.smoke else GPU_MODEL)
+        keys = ("n_layers", "dim", "seq_len", "n_routed_experts")
+    for flag, key in zip(("layers", "dim", "seq_len", "experts"), keys, strict=True):
         if getattr(a, flag) is not None:
             model[key] = getattr(a, flag)
     a.model = model
@@ -776,11 +811,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.variants == "census":
         a.variants, a.census = ",".join(CENSUS_VARIANTS), True
     wanted = a.variants.split(",") if a.variants else list(LABELS)
+    if qwen3:  # the hand weave and the controls without FSDP are the example's own
+        wanted = [v for v in wanted if v in qwen3_client.VARIANTS]
     unknown = sorted(set(wanted) - set(LABELS)) + sorted(set(a.ac_modes) - set(AC_MODES))
     if unknown:
         p.error(f"unknown variant(s) or AC mode(s): {', '.join(unknown)}")
     a.plan = [(ac, v) for tier in TIERS for ac in a.ac_modes for v in tier if v in wanted]
-    if a.warmup < 3 or a.steps < 1 or model["n_layers"] < 2:
+    if a.warmup < 3 or a.steps < 1 or model["num_hidden_layers" if qwen3 else "n_layers"] < 2:
         p.error("--warmup must be at least 3, --steps at least 1, --layers at least 2")
     return a
 
@@ -794,8 +831,19 @@ def _warmup_compiler(backend: str, device: torch.device) -> None:
 
 
 def _built_params(margs: Any) -> int:
+    if isinstance(margs, qwen3_client.Qwen3Args):
+        return qwen3_client.built_params(margs)
     with torch.device("meta"):
         return sum(p.numel() for p in tm.Transformer(margs).parameters())
+
+
+def _fns(margs: Any) -> Any:
+    """The model's counting functions: the example's (this module) or the Qwen3 client's."""
+    if isinstance(margs, qwen3_client.Qwen3Args):
+        return qwen3_client
+    return types.SimpleNamespace(
+        param_count=param_count, flops_per_step=flops_per_step, memory_estimate=memory_estimate
+    )
 
 
 def _meta(a: argparse.Namespace, cfg: Config, est: dict[str, float]) -> dict[str, Any]:
@@ -811,10 +859,10 @@ def _meta(a: argparse.Namespace, cfg: Config, est: dict[str, float]) -> dict[str
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "plan"},
         "model": dataclasses.asdict(cfg.margs),
         "params": _built_params(cfg.margs),
-        "params_analytic": param_count(cfg.margs),
-        "params_b": param_count(cfg.margs) / 1e9,
+        "params_analytic": _fns(cfg.margs).param_count(cfg.margs),
+        "params_b": _fns(cfg.margs).param_count(cfg.margs) / 1e9,
         "memory_estimate_gib": est,
-        "flops_per_step": flops_per_step(cfg.margs, a.batch),
+        "flops_per_step": _fns(cfg.margs).flops_per_step(cfg.margs, a.batch),
         "tokens_per_step": a.batch * cfg.margs.seq_len,
         "experts_gemm": "torch._grouped_mm"
         if grouped_mm_for(torch.empty(0, device=cfg.device, dtype=cfg.dtype))
@@ -849,16 +897,17 @@ def main(argv: list[str] | None = None) -> int:
         "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{tm._free_port()}",
         rank=0, world_size=1, **({"device_id": device} if device.type == "cuda" else {}),
     )  # fmt: skip
-    margs = tm.ModelArgs(**a.model)
+    qwen3 = a.model_name == "qwen3"
+    margs = qwen3_client.model_args(a.model, a.experts_impl) if qwen3 else tm.ModelArgs(**a.model)
     dtype = getattr(torch, a.dtype)
     batches = []
     for step in range(3):  # the same data for every variant; steps cycle through it
-        inputs, targets = tm.make_batch(step, a.seed, a.batch, margs)
+        inputs, targets = (qwen3_client if qwen3 else tm).make_batch(step, a.seed, a.batch, margs)
         batches.append((inputs.to(device), targets.to(device)))
     cfg = Config(a, margs, device, dtype, a.seed, batches, cache_root=cache_root)
     cfg.mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
     cfg.expert_mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("ep_fsdp",))
-    est = memory_estimate(margs, a.batch, dtype.itemsize)
+    est = _fns(margs).memory_estimate(margs, a.batch, dtype.itemsize)
     meta = _meta(a, cfg, est)
     log(f"{meta['params_b']:.3f} B params on {meta['device_name']}; estimated peak {est['full_ac_peak_gib']:.1f} GiB "
         f"(full AC) / {est['selective_ac_peak_gib']:.1f} GiB (selective); {len(a.plan)} variants, budget {a.budget_s:.0f} s")  # fmt: skip

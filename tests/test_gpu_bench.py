@@ -188,3 +188,31 @@ def test_the_census_counts_what_runs_outside_graphs(tmp_path: Path) -> None:
     assert rows["autoweave:hoist"]["census"]["backward"]["forward_graphs"] > 0
     assert rows["autoweave:pieces"]["census"]["backward"]["forward_graphs"] == 0
     assert "### Census: one training step after warm-up" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_qwen3_client_runs_the_same_variants(tmp_path: Path) -> None:
+    # Issue 42, item 5: transformers' Qwen3-MoE as gpu_bench's second model (tiny, CPU, aot_eager).
+    pytest.importorskip("transformers")
+    proc = _run(
+        tmp_path,
+        "--model",
+        "qwen3",
+        "--variants",
+        "compile_ac,autoweave,upper_bound",
+        "--ac",
+        "full",
+        "--steps",
+        "1",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    data = json.loads((tmp_path / "gpu_bench.json").read_text())
+    rows = {r["variant"]: r for r in data["variants"]}
+    for r in rows.values():
+        assert r["status"] == "ok", (r["key"], r.get("error"), r.get("traceback", "")[-2000:])
+    assert data["meta"]["model"]["num_experts"] == 4 and "Qwen3-MoE" in proc.stdout
+    # Plain compile(AC(layer)) falls back at the experts' unit; autoweave does not, and leaves no more
+    # forward GEMMs outside its graphs than the bound (the experts' own run in their frame's graph).
+    assert rows["compile_ac"]["ac_fallbacks"] >= 1 and rows["autoweave"]["ac_fallbacks"] == 0
+    assert rows["autoweave"]["eager_fwd_gemms"] <= rows["upper_bound"]["eager_fwd_gemms"]
+    assert rows["autoweave"]["losses"] == pytest.approx(rows["compile_ac"]["losses"], rel=1e-5)
