@@ -48,6 +48,7 @@ class Outcome:
     error: tuple[int, str] | None = None  # (step, exception type) where the run raised
     error_bases: tuple[str, ...] = ()  # the names of that type's classes (what an ``except`` catches)
     refused_recompile: bool = False  # dynamo raised for a recompile under ``fail_on_recompile``
+    settled: bool = False  # autoweave's watchdog (or the recompile limit) settled a block
     losses: list[float] = dataclasses.field(default_factory=list)
     grads: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
     none_grads: list[tuple[bool, ...]] = dataclasses.field(default_factory=list)  # per step: grad is None
@@ -305,6 +306,7 @@ def run(case: Case, *, on: bool) -> Outcome:
     outcome.warnings = sorted(handler.seen)
     # autoweave's own warnings (stderr, once per key), but for the settling it warns of by design:
     # at the recompile limit, and the steady-state watchdog (docs/guarantees.md).
+    outcome.settled = any(key.startswith(("recompile-limit", "steady-state")) for key in warned)
     outcome.own_warnings = sorted(
         key for key in warned if not key.startswith(("recompile-limit", "steady-state", "fail-on-recompile"))
     )
@@ -379,9 +381,12 @@ def differences(case: Case, plain: Outcome, woven: Outcome, bound: Outcome) -> l
             out.append(f"activation memory: plain {plain.held_bytes} B, autoweave {woven.held_bytes} B")
     # Each frame autoweave compiles may recompile as often as plain torch recompiles the same
     # block without its break (per value, per shape, per grad mode), once more for a dynamic
-    # length learned a step later, and again after each reset.
+    # length learned a step later, and again after each reset. A frame that recompiles at every
+    # call (a counter, a hook appending to a list) does so STORM_CALLS times before the watchdog
+    # sees the storm and settles its block (docs/guarantees.md, the steady state).
     resets = 1 + sum(event == "reset" for _, event, *_ in case.events)
-    per_frame = resets * (1 + max(bound.frames.values(), default=0))
+    storm = _compat.dynamo.STORM_CALLS if woven.settled else 0
+    per_frame = resets * (1 + max(max(bound.frames.values(), default=0), storm))
     if woven.recompiles > plain.recompiles + len(woven.frames) * per_frame:
         out.append(
             f"recompiles: plain {plain.recompiles}, autoweave {woven.recompiles} over {len(woven.frames)} "
