@@ -338,3 +338,39 @@ COUNTER_BUMPED_BEFORE_THE_RECOMPUTE = Case(
 @pytest.mark.xfail(strict=True, reason="open: a guarded counter bumped before the recompute (seed 10090)")
 def test_a_counter_bumped_by_the_forward_does_not_break_the_recompute() -> None:
     assert _differences(COUNTER_BUMPED_BEFORE_THE_RECOMPUTE) == []
+
+
+# Open, the same class (seed 10638): under `fail_on_recompile`, a traced hook that appends to a
+# list on a submodule (its length guarded) after a reset: the recompute fits none of the
+# region's entries and, under the stance, runs that frame eager where its forward ran a graph:
+# CheckpointError at step 2 where plain torch trains.
+LIST_HOOK_GROWN_BEFORE_THE_RECOMPUTE = Case(
+    seed=10638,
+    layers=3,
+    value_type="str",
+    value_place="private",
+    values_differ=True,
+    brk="fsdp-unit",
+    break_at="middle",
+    ac="full",
+    form="model.compile()",
+    fullgraph=False,
+    strategy="auto",
+    decorator="pass-through",
+    lengths="dynamic=True",
+    recompile_limit=None,
+    steps=4,
+    events=(
+        (1, "fail-on-recompile", 2, False, ""),
+        (1, "hook-add", 0, True, "pre"),
+        (1, "reset", 0, False, ""),
+        (3, "hook-remove", 0, True, "pre"),
+    ),
+    hook_style="traced-list",
+    call_path="container",
+)
+
+
+@pytest.mark.xfail(strict=True, reason="open: guarded state grown before the recompute (seed 10638)")
+def test_a_list_grown_by_the_forward_does_not_break_the_recompute() -> None:
+    assert _differences(LIST_HOOK_GROWN_BEFORE_THE_RECOMPUTE) == []
