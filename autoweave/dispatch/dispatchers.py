@@ -124,7 +124,7 @@ class _Dispatcher:
         self._generation = -1  # _state.run.generation when the tree was last read
         self._fingerprint: tuple | None = None
         self._called = False
-        self._converting = 0  # consecutive woven calls that made dynamo compile a graph (the watchdog)
+        self._converting = 0  # consecutive woven calls in which dynamo made a cache entry (the watchdog)
         self._outer: Callable[[], nn.Module | None] | None = None  # weakref to an enclosing AC wrapper
         self.skip_outer_checkpoint = False  # the enclosing wrapper's AC moved into the regions
         self._call_traced = True  # torch.compile(module) traces __call__; in-place compile does not
