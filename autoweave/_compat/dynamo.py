@@ -33,6 +33,7 @@ import threading
 import time
 import types
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from typing import Any
@@ -609,8 +610,29 @@ def region_would_convert(forward: Any, args: tuple[Any, ...], kwargs: dict[str, 
 # after which it runs eager (the steady-state watchdog in ``lookups_in_order``). Warm-up compiles
 # at most twice in a row (a first graph, then one with a length made dynamic).
 STORM_CALLS = 3
+# Why a region settled (``lookups_in_order``'s ``on_limit``): a frame at the recompile limit, the
+# watchdog, or a recompute that compiled again.
+AT_LIMIT, STORM, RECOMPUTED = "limit", "storm", "recomputed"
 _raised_from: list[int] = []  # the user's recompile limit, while woven calls run with it raised
 _LIMIT_HEADROOM = 64  # entries a region's frames may take past the limit while its calls in flight finish
+
+
+def _total(guards: dict[str, list[frozenset[str]]]) -> int:
+    return sum(len(entries) for entries in guards.values())
+
+
+def _new_state_guards(
+    before: dict[str, list[frozenset[str]]], after: dict[str, list[frozenset[str]]]
+) -> list[str]:
+    """The frames with a new entry whose guard lines match none of the frame's entries before."""
+    return [
+        name
+        for name, entries in after.items()
+        if any(
+            guards not in before.get(name, ())
+            for guards in (Counter(entries) - Counter(before.get(name, ())))
+        )
+    ]
 
 
 def user_recompile_limit(given: int | None = None) -> int:
@@ -650,8 +672,9 @@ def lookups_in_order(
     eager: Callable[..., Any] | None = None,
     converted: Callable[..., Any] | None = None,
     recompile_limit: int | None = None,
-    on_limit: Callable[[str, bool, bool], None] | None = None,
+    on_limit: Callable[[str, bool, str], None] | None = None,
     on_refused: Callable[[], None] | None = None,
+    state: Any = None,
 ) -> Callable[..., Any]:
     """``compiled`` with dynamo's cache entries looked up in the order they were made.
 
@@ -700,6 +723,12 @@ def lookups_in_order(
     A plain compile (no region) raises as the user asked. ``on_refused`` is told
     when the region's first frame, holding entries, fits none of them (a recompile
     refused: that call runs eager).
+
+    ``state`` (``weave.guarded_state.GuardedState``, built from the first frame's
+    function): notes, at the forward's decision, the guarded scalars the forward may
+    change, and presents them to the recompute.
+    A recompute that still compiles again settles the region (eager from the next
+    call on, ``on_limit`` told ``RECOMPUTED``).
     """
     order = _insertion_order()
     if order is None and inputs is None:
@@ -712,21 +741,26 @@ def lookups_in_order(
     if eager is not None:
         uncompiled = outside_dynamo(eager, traced_as=eager)
         frame_fn = converted or eager
+        state = None if state is None else state(frame_fn)
         # Decided once per checkpoint, at the region's first call in its forward (before
         # its graphs record anything there), and found again by its recompute.
         decided: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        noted: weakref.WeakKeyDictionary[Any, Any] = (
+            weakref.WeakKeyDictionary()
+        )  # per checkpoint: its forward's
         entries_seen: list[int] = []  # the region's entries at each forward's decision, newest last
         storm: list[str] = []  # the frame that recompiled at every call, once the region settled
 
-        def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool | None:
-            # None: not under an eager checkpoint, no recompute to match: dynamo decides.
+        def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool | None, Any]:
+            # (None, _): not under an eager checkpoint, no recompute to match: dynamo decides.
+            # (_, frame): the checkpoint's forward decided already: this is its recompute.
             found = _eager_checkpoint_frame()
             if found is None:
-                return None
+                return None, None
             frame, _ = found
             with suppress(TypeError):  # a frame that takes no weak reference: decided per call
                 if frame in decided:
-                    return decided[frame]
+                    return decided[frame], frame
             # Any frame of the region: its own, or one dynamo resumes after a break in it. Only
             # the first frame's guards can be read before the call: if it alone is at the limit,
             # a call that fits one of its entries still runs the graphs.
@@ -750,18 +784,43 @@ def lookups_in_order(
                 ):
                     storm.append(frame_fn.__code__.co_name)
                     eager = every = True
+            if not eager and state is not None:
+                with suppress(TypeError):
+                    noted[frame] = state.note(args)
             if eager and on_limit is not None:
-                on_limit(storm[0] if storm else at[-1], every, bool(storm))
+                on_limit(storm[0] if storm else at[-1], every, STORM if storm else AT_LIMIT)
             with suppress(TypeError):
                 decided[frame] = eager
-            return eager
+            return eager, None
+
+        def recompute(frame: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            # The recompute meets the guarded scalars its forward saw (``state``). One that still
+            # compiles a graph guarded on other Python state than every graph before it met state
+            # its forward changed that cannot be put back (a traced hook's list grown): a graph
+            # that may save other tensors than the forward's, or, under ``fail_on_recompile``,
+            # that frame eager. Plain torch runs the block eager: settled so from the next call
+            # on, forward and recompute alike, before it can fail (fuzzer seed 10638). A new
+            # graph whose guards read alike (an input's ``requires_grad`` in warm-up) is not that.
+            before = backends.guard_sets(frame_fn)
+            restore = None if state is None else state.present(noted.pop(frame, []), _total(before))
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                if restore is not None:
+                    restore()
+                changed = _new_state_guards(before, backends.guard_sets(frame_fn))
+                if changed and not storm:
+                    storm.append(changed[0])
+                    if on_limit is not None:
+                        on_limit(changed[0], True, RECOMPUTED)
 
         at_limit = outside_dynamo(runs_eager, traced_as=runs_eager)
+        recompute_in_order = outside_dynamo(recompute, traced_as=recompute)
 
     def in_order(*args: Any, **kwargs: Any) -> Any:
         if inputs is not None:
             args, kwargs = inputs(args, kwargs)
-        eager = None if at_limit is None else at_limit(args, kwargs)
+        eager, again = (None, None) if at_limit is None else at_limit(args, kwargs)
         if eager:
             return uncompiled(*args, **kwargs)
         # Under ``fail_on_recompile`` a frame of the region that fits none of its graphs (a
@@ -778,6 +837,8 @@ def lookups_in_order(
             # dynamo's, which would run that frame eager in the forward or in the recompute
             # alone (a recompute often needs an entry its forward did not).
             with order or nullcontext(), _limit_raised(), stance:
+                if again is not None:
+                    return recompute_in_order(again, args, kwargs)
                 return compiled(*args, **kwargs)
         with order or nullcontext(), stance:
             return compiled(*args, **kwargs)

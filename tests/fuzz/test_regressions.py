@@ -304,14 +304,14 @@ def test_a_storm_under_pieces_settles_within_the_watchdogs_allowance() -> None:
     assert _differences(STORM_UNDER_PIECES) == []
 
 
-# Open (found on this stop's final code, and on the previous stop's): a checkpoint around
+# Found on the previous stop's final code (and the one before): a checkpoint around
 # `__call__`, the whole model compiled, `self.calls += 1`, block 1 frozen after the first step
 # (seed 10090). The region's first frame is guarded on `self.calls`, which its forward bumps:
-# the checkpoint's recompute sees the bumped value, fits none of the entries and compiles
-# another graph (under the freeze's new requires_grad), whose saved tensors differ from the
-# forward's: CheckpointError at step 1 where plain torch (the block eager) trains. The watchdog
-# cannot help (it needs 3 calls). A fix presents the recompute the guarded values its forward
-# saw (and restores the counter's own increment after it).
+# the checkpoint's recompute saw the bumped value, fit none of the entries and compiled another
+# graph (the block's float made dynamic by then), whose saved tensors differed from the
+# forward's: CheckpointError at step 1 where plain torch (the block eager) trains. Fixed: the
+# recompute is presented the guarded scalars its forward saw (`weave.guarded_state`), and the
+# counter ends as plain torch leaves it (bumped in forward and recompute).
 COUNTER_BUMPED_BEFORE_THE_RECOMPUTE = Case(
     seed=10090,
     layers=2,
@@ -335,15 +335,16 @@ COUNTER_BUMPED_BEFORE_THE_RECOMPUTE = Case(
 )
 
 
-@pytest.mark.xfail(strict=True, reason="open: a guarded counter bumped before the recompute (seed 10090)")
 def test_a_counter_bumped_by_the_forward_does_not_break_the_recompute() -> None:
     assert _differences(COUNTER_BUMPED_BEFORE_THE_RECOMPUTE) == []
 
 
-# Open, the same class (seed 10638): under `fail_on_recompile`, a traced hook that appends to a
-# list on a submodule (its length guarded) after a reset: the recompute fits none of the
-# region's entries and, under the stance, runs that frame eager where its forward ran a graph:
-# CheckpointError at step 2 where plain torch trains.
+# The same class, state that cannot be put back (seed 10638): a traced hook that appends to a
+# list on a submodule (its length guarded), added with a reset, then `fail_on_recompile`: each
+# recompute fit none of the region's entries; under the stance it ran that frame eager where its
+# forward ran a graph: CheckpointError at step 2 where plain torch trains. Fixed: a recompute
+# that compiles again settles the region (eager under its checkpoint from the next call on, as
+# plain torch runs it), before the stance can split forward and recompute.
 LIST_HOOK_GROWN_BEFORE_THE_RECOMPUTE = Case(
     seed=10638,
     layers=3,
@@ -371,6 +372,5 @@ LIST_HOOK_GROWN_BEFORE_THE_RECOMPUTE = Case(
 )
 
 
-@pytest.mark.xfail(strict=True, reason="open: guarded state grown before the recompute (seed 10638)")
 def test_a_list_grown_by_the_forward_does_not_break_the_recompute() -> None:
     assert _differences(LIST_HOOK_GROWN_BEFORE_THE_RECOMPUTE) == []
