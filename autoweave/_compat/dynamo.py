@@ -786,7 +786,7 @@ def lookups_in_order(
                     eager = every = True
             if not eager and state is not None:
                 with suppress(TypeError):
-                    noted[frame] = state.note(args)
+                    noted[frame] = state.note(args, entries_seen[-1])
             if eager and on_limit is not None:
                 on_limit(storm[0] if storm else at[-1], every, STORM if storm else AT_LIMIT)
             with suppress(TypeError):

@@ -52,33 +52,42 @@ def _after(forward: Any, now: Any, recomputed: Any) -> Any:
 
 
 class GuardedState:
-    """Notes a region's scalars before its forward; presents the guarded ones to its recompute."""
+    """Notes a region's guarded scalars before its forward; presents them to its recompute."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self._fn = fn
         self._names: frozenset[str] = frozenset()
         self._entries = -1  # the region's entries when ``_names`` was read
 
-    def note(self, args: tuple[Any, ...]) -> list[tuple[nn.Module, dict[str, Any]]]:
-        """The scalars of the modules this call runs, as they are before its forward.
+    def note(self, args: tuple[Any, ...], entries: int) -> list[tuple[nn.Module, dict[str, Any]]]:
+        """The scalars of the modules this call runs that the region's guards read, before its forward.
 
-        All of them: which ones the region's guards read is known only once its
-        forward has compiled (its first call), and is asked at the recompute.
+        Before the region's first graph its guards are unknown: all of them then.
         """
+        modules = _modules(args, self._fn)
+        if entries == 0:
+            return [(m, {k: v for k, v in m.__dict__.items() if isinstance(v, _SCALARS)}) for m in modules]
+        names = self._guarded(entries)
+        if not names:
+            return []
         return [
-            (m, {k: v for k, v in m.__dict__.items() if isinstance(v, _SCALARS)})
-            for m in _modules(args, self._fn)
+            (m, {k: v for k in names if isinstance(v := m.__dict__.get(k, _MISSING), _SCALARS)})
+            for m in modules
         ]
+
+    def _guarded(self, entries: int) -> frozenset[str]:
+        if entries != self._entries:  # guards are read again only when the region has new entries
+            self._names, self._entries = _compat.backends.guarded_attributes(self._fn), entries
+        return self._names
 
     def present(self, noted: list[tuple[nn.Module, dict[str, Any]]], entries: int) -> Restore:
         """Put back the forward's guarded values for the recompute; the returned call settles them after it."""
-        if entries != self._entries:  # guards are read again only when the region has new entries
-            self._names, self._entries = _compat.backends.guarded_attributes(self._fn), entries
+        names = self._guarded(entries)
         changed = [
-            (m, name, scalars[name], m.__dict__[name])
+            (m, name, scalars[name], now)
             for m, scalars in noted
-            for name in self._names.intersection(scalars)
-            if m.__dict__.get(name, _MISSING) != scalars[name]
+            for name in names.intersection(scalars)
+            if (now := m.__dict__.get(name, _MISSING)) is not _MISSING and now != scalars[name]
         ]
         for m, name, value, _ in changed:
             m.__dict__[name] = value

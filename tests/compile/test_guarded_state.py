@@ -81,7 +81,7 @@ def test_the_recompute_is_presented_the_forwards_guarded_values(monkeypatch: pyt
     )
     module = _Holder()
     state = GuardedState(lambda: None)
-    noted = state.note((module,))
+    noted = state.note((module,), entries=0)
     module.calls, module.ready, module.load, module.name = 1, True, 0.5, "b"  # the forward
     restore = state.present(noted, entries=1)
     # Guarded: as the forward saw them; not guarded (load): as the forward left it.
