@@ -27,7 +27,7 @@ from torch._dynamo.utils import counters
 import autoweave
 from autoweave import _compat, _state
 from benchmarks.measure import heap_in_use
-from tests.fuzz.grammar import DIM, Case, block_of, build, lengths_of
+from tests.fuzz.grammar import DIM, Case, block_of, build, lengths_of, one_rank
 
 BACKEND = "aot_eager"
 MEMORY_RATIO = 1.05
@@ -104,6 +104,12 @@ def _compiles(outcome: Outcome) -> Iterator[Any]:
 
 def _starts(callbacks: Any) -> list[Any]:
     return list(getattr(callbacks, "start_callbacks", ()))
+
+
+def _whole(grad: torch.Tensor) -> torch.Tensor:
+    """A copy of ``grad``, whole: an FSDP2 parameter's (``parallel="fsdp-mp"``) is a DTensor."""
+    full = getattr(grad, "full_tensor", None)
+    return (full() if full is not None else grad).detach().clone()
 
 
 def _compile(case: Case, model: torch.nn.Module, *, on: bool) -> torch.nn.Module:
@@ -241,7 +247,7 @@ def _train(case: Case, outcome: Outcome, *, on: bool) -> None:
                 outcome.losses.append(loss.item())
                 outcome.none_grads.append(tuple(p.grad is None for p in model.parameters()))
                 if step == case.steps - 1:
-                    outcome.grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+                    outcome.grads = [None if p.grad is None else _whole(p.grad) for p in model.parameters()]
                 opt.step()
                 opt.zero_grad()
             step = case.steps
@@ -295,7 +301,7 @@ def run(case: Case, *, on: bool) -> Outcome:
     torch_logger.addHandler(handler)
     config = {} if case.recompile_limit is None else {"recompile_limit": case.recompile_limit}
     try:
-        with torch._dynamo.config.patch(**config), torch.random.fork_rng():
+        with torch._dynamo.config.patch(**config), torch.random.fork_rng(), one_rank(case):
             _train(case, outcome, on=on)
     finally:
         torch_logger.removeHandler(handler)

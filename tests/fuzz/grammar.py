@@ -10,11 +10,13 @@ torch and autoweave train equal models.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import io
 import random
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -42,6 +44,11 @@ EVENTS = ("eval-step", "reset", "force-eager", "hook-add", "hook-remove")
 HOOK_STYLES = ("disabled-count", "traced-list", "activation-stats")
 CALL_PATHS = ("forward", "helper", "container")
 TRAINER_EVENTS = ("freeze", "unfreeze", "fail-on-recompile")
+# How the model is sharded: not at all, or as torchtitan and NeMo shard an MoE, with real FSDP2
+# units and a mixed-precision policy (bf16 parameters, fp32 gradient reduction), the experts in
+# a unit of their own where the break is ``fsdp-unit``. One rank (gloo, in this process): the
+# hooks, casts and DTensor parameters of a real run; 2-rank numerics are the distributed tests'.
+PARALLEL = ("none", "none", "none", "fsdp-mp")
 
 
 class Act(enum.Enum):
@@ -77,6 +84,7 @@ class Case:
     counter: bool = False  # ``self.calls += 1`` in forward
     stat_gate: bool = False  # a gate whose output only feeds ``.item()`` (its grad stays None)
     autocast: bool = False  # every forward under ``torch.autocast("cpu", dtype=torch.bfloat16)``
+    parallel: str = "none"  # ``PARALLEL``
 
     def describe(self) -> str:
         fields = dataclasses.asdict(self)
@@ -147,7 +155,8 @@ def _grown(case: Case, rng: random.Random) -> Case:
         call_path=rng.choice(CALL_PATHS),
         counter=rng.random() < 0.25,
         stat_gate=rng.random() < 0.3,
-        autocast=rng.random() < 0.2,  # drawn last: every earlier choice of a seed is unchanged
+        autocast=rng.random() < 0.2,
+        parallel=rng.choice(PARALLEL),  # drawn last: every earlier choice of a seed is unchanged
     )
 
 
@@ -231,8 +240,8 @@ class FuzzBlock(nn.Module):
         self.gate = nn.Linear(DIM, 4) if case.stat_gate else None
         self.load = 0.0
         value = layer_value(case, index)
-        if case.brk == "fsdp-unit":
-            make_break(self.experts)
+        if case.brk == "fsdp-unit" and not real_unit(case):
+            make_break(self.experts)  # else a real unit (``build``)
         if case.value_place == "argument" or value is None:
             return
         name = "value" if case.value_place == "public" else "_value"
@@ -392,7 +401,59 @@ def _block(case: Case, index: int) -> nn.Module:
 def build(case: Case) -> FuzzModel:
     """The model of ``case``, its parameters drawn from ``case.seed``."""
     torch.manual_seed(case.seed)
-    return FuzzModel(case)
+    model = FuzzModel(case)
+    if case.parallel == "fsdp-mp":
+        _shard(model, case)
+    return model
+
+
+def real_unit(case: Case) -> bool:
+    """Are the experts a real FSDP2 unit? Not under selective AC: plain torch cannot train that.
+
+    Eager selective AC stores the ops its forward ran, the profiler's ``record_function``
+    of the unit's post-forward among them, and its recompute fails to find them
+    (``RuntimeError: ... encountered during backward but not found in storage``, torch
+    2.13, CPU): a case plain torch raises on compares nothing. The fake unit stands in.
+    """
+    return case.parallel == "fsdp-mp" and not case.ac.startswith("selective")
+
+
+def _shard(model: FuzzModel, case: Case) -> None:
+    """FSDP2 as torchtitan applies it: the experts' own unit, each (AC-wrapped) layer, the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = _one_rank_mesh()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for i, layer in enumerate(model.layers):
+        if case.brk == "fsdp-unit" and real_unit(case):
+            fully_shard(block_of(model, i).experts, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+@contextlib.contextmanager
+def one_rank(case: Case) -> Iterator[None]:
+    """A one-rank gloo process group while a ``parallel`` case runs; none is left behind.
+
+    Torn down after: a process group left initialized would make the tests that run after
+    in the same process rank-aware.
+    """
+    import torch.distributed as dist
+
+    if case.parallel == "none" or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_rank_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (1,))
 
 
 def block_of(model: FuzzModel, index: int) -> FuzzBlock:

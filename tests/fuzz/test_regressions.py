@@ -374,3 +374,35 @@ LIST_HOOK_GROWN_BEFORE_THE_RECOMPUTE = Case(
 
 def test_a_list_grown_by_the_forward_does_not_break_the_recompute() -> None:
     assert _differences(LIST_HOOK_GROWN_BEFORE_THE_RECOMPUTE) == []
+
+
+# Found by the grammar's real FSDP2 units with a mixed-precision policy (seed 11031): a selective-AC
+# block's first call, measured inside FSDP's unsharded state (bf16 parameters), stored its hoist
+# verdict under a kind keyed with the parameters' dtype; planned (sharded, fp32), the block never
+# found it, was measured again at every plan and kept pieces: activation memory 1.56x plain's.
+# Fixed: a kind holds names and shapes, not dtypes (``planning.learned.kind``).
+FSDP_MIXED_PRECISION_VERDICT = Case(
+    seed=11031,
+    layers=3,
+    value_type="int",
+    value_place="argument",
+    values_differ=True,
+    brk="print",
+    break_at="middle",
+    ac="selective-nothing",
+    form="torch.compile(block)",
+    fullgraph=False,
+    strategy="auto",
+    decorator="pass-through",
+    lengths="varying",
+    recompile_limit=None,
+    steps=4,
+    events=((3, "reset", 0, False, ""),),
+    hook_style="activation-stats",
+    call_path="container",
+    parallel="fsdp-mp",
+)
+
+
+def test_a_verdict_measured_under_fsdp_mixed_precision_is_found_when_planned() -> None:
+    assert _differences(FSDP_MIXED_PRECISION_VERDICT) == []
