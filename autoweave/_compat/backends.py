@@ -170,21 +170,6 @@ def entry_counts(fn: Callable[..., Any]) -> list[tuple[str, int]]:
     return [(f.__code__.co_name, len(entries)) for f, entries in _region_frames(fn)]
 
 
-def guard_sets(fn: Callable[..., Any]) -> dict[str, list[frozenset[str]]]:
-    """Each frame of ``fn``'s region by name, with each cache entry's guard lines (as ``guard_texts`` reads them).
-
-    Guards on a tensor's properties (``requires_grad``, sizes) are checked in dynamo's
-    C++ tensor guards, not in these lines: two entries that differ only there read alike.
-    """
-    return {
-        f.__code__.co_name: [
-            frozenset(getattr(getattr(entry, "guard_manager", None), "code_parts", None) or ())
-            for entry in entries
-        ]
-        for f, entries in _region_frames(fn)
-    }
-
-
 def guarded_attributes(fn: Callable[..., Any]) -> frozenset[str]:
     """Names of attributes whose value ``fn``'s compiled code is guarded on (``==``, ``is``)."""
     return frozenset(name for text in guard_texts(fn) for name in _GUARDED_ATTRIBUTE.findall(text))

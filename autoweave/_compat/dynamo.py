@@ -33,7 +33,6 @@ import threading
 import time
 import types
 import weakref
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from typing import Any
@@ -610,29 +609,10 @@ def region_would_convert(forward: Any, args: tuple[Any, ...], kwargs: dict[str, 
 # after which it runs eager (the steady-state watchdog in ``lookups_in_order``). Warm-up compiles
 # at most twice in a row (a first graph, then one with a length made dynamic).
 STORM_CALLS = 3
-# Why a region settled (``lookups_in_order``'s ``on_limit``): a frame at the recompile limit, the
-# watchdog, or a recompute that compiled again.
-AT_LIMIT, STORM, RECOMPUTED = "limit", "storm", "recomputed"
+# Why a region settled (``lookups_in_order``'s ``on_limit``): a frame at the recompile limit, or the watchdog.
+AT_LIMIT, STORM = "limit", "storm"
 _raised_from: list[int] = []  # the user's recompile limit, while woven calls run with it raised
 _LIMIT_HEADROOM = 64  # entries a region's frames may take past the limit while its calls in flight finish
-
-
-def _total(guards: dict[str, list[frozenset[str]]]) -> int:
-    return sum(len(entries) for entries in guards.values())
-
-
-def _new_state_guards(
-    before: dict[str, list[frozenset[str]]], after: dict[str, list[frozenset[str]]]
-) -> list[str]:
-    """The frames with a new entry whose guard lines match none of the frame's entries before."""
-    return [
-        name
-        for name, entries in after.items()
-        if any(
-            guards not in before.get(name, ())
-            for guards in (Counter(entries) - Counter(before.get(name, ())))
-        )
-    ]
 
 
 def user_recompile_limit(given: int | None = None) -> int:
@@ -727,8 +707,6 @@ def lookups_in_order(
     ``state`` (``weave.guarded_state.GuardedState``, built from the first frame's
     function): notes, at the forward's decision, the guarded scalars the forward may
     change, and presents them to the recompute.
-    A recompute that still compiles again settles the region (eager from the next
-    call on, ``on_limit`` told ``RECOMPUTED``).
     """
     order = _insertion_order()
     if order is None and inputs is None:
@@ -786,7 +764,7 @@ def lookups_in_order(
                     eager = every = True
             if not eager and state is not None:
                 with suppress(TypeError):
-                    noted[frame] = state.note(args, entries_seen[-1])
+                    noted[frame] = state.note(args, entries_seen[-1], entries_made())
             if eager and on_limit is not None:
                 on_limit(storm[0] if storm else at[-1], every, STORM if storm else AT_LIMIT)
             with suppress(TypeError):
@@ -794,25 +772,14 @@ def lookups_in_order(
             return eager, None
 
         def recompute(frame: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            # The recompute meets the guarded scalars its forward saw (``state``). One that still
-            # compiles a graph guarded on other Python state than every graph before it met state
-            # its forward changed that cannot be put back (a traced hook's list grown): a graph
-            # that may save other tensors than the forward's, or, under ``fail_on_recompile``,
-            # that frame eager. Plain torch runs the block eager: settled so from the next call
-            # on, forward and recompute alike, before it can fail (fuzzer seed 10638). A new
-            # graph whose guards read alike (an input's ``requires_grad`` in warm-up) is not that.
-            before = backends.guard_sets(frame_fn)
-            restore = None if state is None else state.present(noted.pop(frame, []), _total(before))
+            # The recompute meets the guarded scalars its forward saw (``state``): a forward that
+            # bumped ``self.calls`` no longer sends it to a graph of its own (fuzzer seed 10090).
+            restore = None if state is None else state.present(noted.pop(frame, []), entries_made())
             try:
                 return compiled(*args, **kwargs)
             finally:
                 if restore is not None:
                     restore()
-                changed = _new_state_guards(before, backends.guard_sets(frame_fn))
-                if changed and not storm:
-                    storm.append(changed[0])
-                    if on_limit is not None:
-                        on_limit(changed[0], True, RECOMPUTED)
 
         at_limit = outside_dynamo(runs_eager, traced_as=runs_eager)
         recompute_in_order = outside_dynamo(recompute, traced_as=recompute)

@@ -350,13 +350,10 @@ def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any])
 
     def on_limit(frame: str, every: bool, why: str) -> None:
         # ``every``: a frame resumed after a break is at the limit, not only the region's own.
-        # ``why``: at the limit; not yet, but it compiled again at every call (the watchdog);
-        # or a recompute needed a graph its forward did not (its forward changed guarded state).
+        # ``why``: at the limit, or not yet, but it compiled again at every call (the watchdog).
         runs = "from this call on, every call" if every else "a call none of its graphs fits"
         where = {
             _compat.dynamo.STORM: f"compiled again at each of its last {_compat.dynamo.STORM_CALLS} calls",
-            _compat.dynamo.RECOMPUTED: "compiled again in a checkpoint's recompute (its forward changes "
-            "state the region's guards read)",
         }.get(why, "is at dynamo's recompile limit")
         where = f"{where} (frame {frame})"
         told = warn_each(

@@ -11,8 +11,8 @@ So the scalars on the block's modules that the region's guards read are noted
 before the forward and presented to the recompute, and what the recompute itself
 changes is applied on top of what the forward left, as the two eager runs of
 plain torch leave it: a counter bumped once in each ends two higher. State that
-cannot be put back this way (a list a traced hook appends to) is left to the
-region's settle (``_compat.dynamo.lookups_in_order``).
+cannot be put back this way (a list a traced hook appends to) is not: its
+recompute compiles again, as it did before (fuzzer seed 10638, open).
 """
 
 from __future__ import annotations
@@ -57,17 +57,19 @@ class GuardedState:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self._fn = fn
         self._names: frozenset[str] = frozenset()
-        self._entries = -1  # the region's entries when ``_names`` was read
+        self._made = -1  # dynamo's entries made when ``_names`` was read
 
-    def note(self, args: tuple[Any, ...], entries: int) -> list[tuple[nn.Module, dict[str, Any]]]:
+    def note(self, args: tuple[Any, ...], entries: int, made: int) -> list[tuple[nn.Module, dict[str, Any]]]:
         """The scalars of the modules this call runs that the region's guards read, before its forward.
 
-        Before the region's first graph its guards are unknown: all of them then.
+        ``entries``: the region's cache entries; before its first its guards are unknown, and
+        all scalars are noted. ``made``: dynamo's count of entries made (``entries_made``),
+        whose change says the guards may have changed.
         """
         modules = _modules(args, self._fn)
         if entries == 0:
             return [(m, {k: v for k, v in m.__dict__.items() if isinstance(v, _SCALARS)}) for m in modules]
-        names = self._guarded(entries)
+        names = self._guarded(made)
         if not names:
             return []
         return [
@@ -75,14 +77,14 @@ class GuardedState:
             for m in modules
         ]
 
-    def _guarded(self, entries: int) -> frozenset[str]:
-        if entries != self._entries:  # guards are read again only when the region has new entries
-            self._names, self._entries = _compat.backends.guarded_attributes(self._fn), entries
+    def _guarded(self, made: int) -> frozenset[str]:
+        if made != self._made:  # guards are read again only when dynamo has made entries since
+            self._names, self._made = _compat.backends.guarded_attributes(self._fn), made
         return self._names
 
-    def present(self, noted: list[tuple[nn.Module, dict[str, Any]]], entries: int) -> Restore:
+    def present(self, noted: list[tuple[nn.Module, dict[str, Any]]], made: int) -> Restore:
         """Put back the forward's guarded values for the recompute; the returned call settles them after it."""
-        names = self._guarded(entries)
+        names = self._guarded(made)
         changed = [
             (m, name, scalars[name], now)
             for m, scalars in noted

@@ -81,9 +81,9 @@ def test_the_recompute_is_presented_the_forwards_guarded_values(monkeypatch: pyt
     )
     module = _Holder()
     state = GuardedState(lambda: None)
-    noted = state.note((module,), entries=0)
+    noted = state.note((module,), entries=0, made=0)
     module.calls, module.ready, module.load, module.name = 1, True, 0.5, "b"  # the forward
-    restore = state.present(noted, entries=1)
+    restore = state.present(noted, made=1)
     # Guarded: as the forward saw them; not guarded (load): as the forward left it.
     assert (module.calls, module.ready, module.load, module.name) == (0, False, 0.5, "a")
     module.calls, module.ready, module.name = 1, True, "c"  # the recompute

@@ -339,12 +339,13 @@ def test_a_counter_bumped_by_the_forward_does_not_break_the_recompute() -> None:
     assert _differences(COUNTER_BUMPED_BEFORE_THE_RECOMPUTE) == []
 
 
-# The same class, state that cannot be put back (seed 10638): a traced hook that appends to a
-# list on a submodule (its length guarded), added with a reset, then `fail_on_recompile`: each
-# recompute fit none of the region's entries; under the stance it ran that frame eager where its
-# forward ran a graph: CheckpointError at step 2 where plain torch trains. Fixed: a recompute
-# that compiles again settles the region (eager under its checkpoint from the next call on, as
-# plain torch runs it), before the stance can split forward and recompute.
+# Open, the same class, state that cannot be put back (seed 10638): a traced hook that appends to
+# a list on a submodule (its length guarded), added with a reset, then `fail_on_recompile`: the
+# recompute fits none of the region's entries and, under the stance, runs that frame eager where
+# its forward ran a graph: CheckpointError at step 2 where plain torch trains. Settling a region
+# whose recompute compiles a graph guarded on other state fixed it, but also settled FSDP2 layers
+# (accelerate's Qwen3-MoE: FSDP's state differs between forward and backward, so each recompute
+# needs an entry of its own, consistently): 16 of 40 forward GEMMs eager where 1 was. Not shipped.
 LIST_HOOK_GROWN_BEFORE_THE_RECOMPUTE = Case(
     seed=10638,
     layers=3,
@@ -372,6 +373,7 @@ LIST_HOOK_GROWN_BEFORE_THE_RECOMPUTE = Case(
 )
 
 
+@pytest.mark.xfail(strict=True, reason="open: a guarded list grown before the recompute (seed 10638)")
 def test_a_list_grown_by_the_forward_does_not_break_the_recompute() -> None:
     assert _differences(LIST_HOOK_GROWN_BEFORE_THE_RECOMPUTE) == []
 
