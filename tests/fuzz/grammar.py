@@ -408,24 +408,25 @@ def build(case: Case) -> FuzzModel:
 
 
 def real_unit(case: Case) -> bool:
-    """Are the experts a real FSDP2 unit? Not under selective AC: plain torch cannot train that.
+    """Are the experts (the ``fsdp-unit`` break) a real FSDP2 unit? Not under selective AC.
 
     Eager selective AC stores the ops its forward ran, the profiler's ``record_function``
     of the unit's post-forward among them, and its recompute fails to find them
     (``RuntimeError: ... encountered during backward but not found in storage``, torch
     2.13, CPU): a case plain torch raises on compares nothing. The fake unit stands in.
     """
-    return case.parallel == "fsdp-mp" and not case.ac.startswith("selective")
+    return case.brk == "fsdp-unit" and case.parallel == "fsdp-mp" and not case.ac.startswith("selective")
 
 
 def _shard(model: FuzzModel, case: Case) -> None:
     """FSDP2 as torchtitan applies it: the experts' own unit, each (AC-wrapped) layer, the root."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = _one_rank_mesh()
+    mesh = init_device_mesh("cpu", (1,))  # on ``one_rank``'s group
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for i, layer in enumerate(model.layers):
-        if case.brk == "fsdp-unit" and real_unit(case):
+        if real_unit(case):
             fully_shard(block_of(model, i).experts, mesh=mesh, mp_policy=mp)
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -448,12 +449,6 @@ def one_rank(case: Case) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def _one_rank_mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (1,))
 
 
 def block_of(model: FuzzModel, index: int) -> FuzzBlock:
