@@ -609,6 +609,8 @@ def region_would_convert(forward: Any, args: tuple[Any, ...], kwargs: dict[str, 
 # after which it runs eager (the steady-state watchdog in ``lookups_in_order``). Warm-up compiles
 # at most twice in a row (a first graph, then one with a length made dynamic).
 STORM_CALLS = 3
+# Why a region settled (``lookups_in_order``'s ``on_limit``): a frame at the recompile limit, or the watchdog.
+AT_LIMIT, STORM = "limit", "storm"
 _raised_from: list[int] = []  # the user's recompile limit, while woven calls run with it raised
 _LIMIT_HEADROOM = 64  # entries a region's frames may take past the limit while its calls in flight finish
 
@@ -650,8 +652,9 @@ def lookups_in_order(
     eager: Callable[..., Any] | None = None,
     converted: Callable[..., Any] | None = None,
     recompile_limit: int | None = None,
-    on_limit: Callable[[str, bool, bool], None] | None = None,
+    on_limit: Callable[[str, bool, str], None] | None = None,
     on_refused: Callable[[], None] | None = None,
+    state: Any = None,
 ) -> Callable[..., Any]:
     """``compiled`` with dynamo's cache entries looked up in the order they were made.
 
@@ -700,6 +703,10 @@ def lookups_in_order(
     A plain compile (no region) raises as the user asked. ``on_refused`` is told
     when the region's first frame, holding entries, fits none of them (a recompile
     refused: that call runs eager).
+
+    ``state`` (``weave.guarded_state.GuardedState``, built from the first frame's
+    function): notes, at the forward's decision, the guarded scalars the forward may
+    change, and presents them to the recompute.
     """
     order = _insertion_order()
     if order is None and inputs is None:
@@ -712,21 +719,26 @@ def lookups_in_order(
     if eager is not None:
         uncompiled = outside_dynamo(eager, traced_as=eager)
         frame_fn = converted or eager
+        state = None if state is None else state(frame_fn)
         # Decided once per checkpoint, at the region's first call in its forward (before
         # its graphs record anything there), and found again by its recompute.
         decided: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        noted: weakref.WeakKeyDictionary[Any, Any] = (
+            weakref.WeakKeyDictionary()
+        )  # per checkpoint: its forward's
         entries_seen: list[int] = []  # the region's entries at each forward's decision, newest last
         storm: list[str] = []  # the frame that recompiled at every call, once the region settled
 
-        def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool | None:
-            # None: not under an eager checkpoint, no recompute to match: dynamo decides.
+        def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool | None, Any]:
+            # (None, _): not under an eager checkpoint, no recompute to match: dynamo decides.
+            # (_, frame): the checkpoint's forward decided already: this is its recompute.
             found = _eager_checkpoint_frame()
             if found is None:
-                return None
+                return None, None
             frame, _ = found
             with suppress(TypeError):  # a frame that takes no weak reference: decided per call
                 if frame in decided:
-                    return decided[frame]
+                    return decided[frame], frame
             # Any frame of the region: its own, or one dynamo resumes after a break in it. Only
             # the first frame's guards can be read before the call: if it alone is at the limit,
             # a call that fits one of its entries still runs the graphs.
@@ -750,18 +762,32 @@ def lookups_in_order(
                 ):
                     storm.append(frame_fn.__code__.co_name)
                     eager = every = True
+            if not eager and state is not None:
+                with suppress(TypeError):
+                    noted[frame] = state.note(args, entries_seen[-1], entries_made())
             if eager and on_limit is not None:
-                on_limit(storm[0] if storm else at[-1], every, bool(storm))
+                on_limit(storm[0] if storm else at[-1], every, STORM if storm else AT_LIMIT)
             with suppress(TypeError):
                 decided[frame] = eager
-            return eager
+            return eager, None
+
+        def recompute(frame: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            # The recompute meets the guarded scalars its forward saw (``state``): a forward that
+            # bumped ``self.calls`` no longer sends it to a graph of its own (fuzzer seed 10090).
+            restore = None if state is None else state.present(noted.pop(frame, []), entries_made())
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                if restore is not None:
+                    restore()
 
         at_limit = outside_dynamo(runs_eager, traced_as=runs_eager)
+        recompute_in_order = outside_dynamo(recompute, traced_as=recompute)
 
     def in_order(*args: Any, **kwargs: Any) -> Any:
         if inputs is not None:
             args, kwargs = inputs(args, kwargs)
-        eager = None if at_limit is None else at_limit(args, kwargs)
+        eager, again = (None, None) if at_limit is None else at_limit(args, kwargs)
         if eager:
             return uncompiled(*args, **kwargs)
         # Under ``fail_on_recompile`` a frame of the region that fits none of its graphs (a
@@ -778,6 +804,8 @@ def lookups_in_order(
             # dynamo's, which would run that frame eager in the forward or in the recompute
             # alone (a recompute often needs an entry its forward did not).
             with order or nullcontext(), _limit_raised(), stance:
+                if again is not None:
+                    return recompute_in_order(again, args, kwargs)
                 return compiled(*args, **kwargs)
         with order or nullcontext(), stance:
             return compiled(*args, **kwargs)

@@ -27,6 +27,7 @@ from autoweave.planning.learned import verdict_of
 from autoweave.planning.plans import Action, Plan
 from autoweave.weave import on_own_code
 from autoweave.weave.first_call_memory import FirstCall
+from autoweave.weave.guarded_state import GuardedState
 from autoweave.weave.keep_checkpoint import AtRecompileLimit, PiecesBlock
 from autoweave.weave.pieces import CheckpointPieces, RegionBackend
 from autoweave.weave.shared_kinds import Install, KindRegion
@@ -347,15 +348,14 @@ def _build_kind_region(
 def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any]) -> dict[str, Any]:
     """``lookups_in_order``'s arguments for a region at its recompile limit: what runs, and the warning."""
 
-    def on_limit(frame: str, every: bool, storm: bool) -> None:
+    def on_limit(frame: str, every: bool, why: str) -> None:
         # ``every``: a frame resumed after a break is at the limit, not only the region's own.
-        # ``storm``: not at the limit yet, but it compiled again at every call (the watchdog).
+        # ``why``: at the limit, or not yet, but it compiled again at every call (the watchdog).
         runs = "from this call on, every call" if every else "a call none of its graphs fits"
-        where = (
-            f"compiled again at each of its last {_compat.dynamo.STORM_CALLS} calls (frame {frame})"
-            if storm
-            else f"is at dynamo's recompile limit (frame {frame})"
-        )
+        where = {
+            _compat.dynamo.STORM: f"compiled again at each of its last {_compat.dynamo.STORM_CALLS} calls",
+        }.get(why, "is at dynamo's recompile limit")
+        where = f"{where} (frame {frame})"
         told = warn_each(
             f"recompile-limit:{label}",
             f"[recompile-limit] woven region {label} {where}: "
@@ -373,6 +373,7 @@ def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any])
         "recompile_limit": region_kw.get("recompile_limit"),
         "on_limit": on_limit,
         "on_refused": on_refused,
+        "state": GuardedState,
     }
 
 
