@@ -110,7 +110,11 @@ _MODES = frozenset({"training"})
 
 
 class _Flag:
-    """A plain flag attribute of the module (``bool``/``int``/``None``), as read while planning."""
+    """A plain flag reached from the module by attributes (``bool``/``int``/``None``), as read while planning.
+
+    ``self.gradient_checkpointing``, or one held on an object the module holds:
+    ``self.config.use_checkpoint`` (transformers' layers read their config).
+    """
 
     __slots__ = ("value",)
 
@@ -138,6 +142,7 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
     cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False))
     self_name = code.co_varnames[0] if owner is not None and code.co_argcount else None
     current: Any = _MISSING
+    rooted = False  # ``current`` is the module or reached from it by attribute loads alone
     importing: Any = _MISSING
     assigned: dict[str, Any] = {}  # locals bound to something resolved (``import ... as``, aliases)
     previous: Any = None
@@ -148,6 +153,7 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
             continue
         op, name = instruction.opname, instruction.argval
         fromlist, previous = previous, instruction.argval
+        reached, rooted = rooted, False
         if op in _JUMPS:
             # ``if self.gradient_checkpointing and ...: return checkpoint(...)`` with the
             # flag off: that branch does not run now, and must not make the plan worse.
@@ -188,13 +194,15 @@ def _read(code: types.CodeType, fn: Any, owner: Any, depth: int, seen: set[int])
             elif op.startswith("LOAD_FAST") and name == self_name:
                 current = owner
         elif op in _ATTRIBUTE_LOADS:
-            base, current = current, _attribute(current, name)
-            if base is owner and name not in _MODES and isinstance(current, (bool, int, type(None))):
+            current = _attribute(current, name)
+            if reached and name not in _MODES and isinstance(current, (bool, int, type(None))):
                 current = _Flag(current)  # only a branch test reads it
                 continue
+            rooted = reached and current is not _MISSING
         else:
             current = _MISSING
             continue
+        rooted = rooted or (current is owner and owner is not None)
         if current is _MISSING or current is owner:
             continue
         if is_checkpoint(current):

@@ -66,6 +66,26 @@ class ClassFlag(Plain):
         return self.body(x)
 
 
+class Config:
+    """A model config, as transformers keeps one (a plain object, not a module)."""
+
+    def __init__(self) -> None:
+        self.use_checkpoint = False
+
+
+class ConfigFlag(Plain):
+    """The flag on an object the module holds (``self.config.use_checkpoint``), issue 41 item 8."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = Config()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.use_checkpoint and self.training:
+            return checkpoint(self.body, x, use_reentrant=False)
+        return self.body(x)
+
+
 def _save_nothing(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -87,9 +107,13 @@ def test_a_dormant_branch_is_not_read_as_a_checkpoint_and_an_active_one_is() -> 
     assert not planner.calls_checkpoint(flag)
     flag.use_checkpoint = True
     assert planner.calls_checkpoint(flag)
+    held = ConfigFlag()
+    assert not planner.calls_checkpoint(held)
+    held.config.use_checkpoint = True
+    assert planner.calls_checkpoint(held)
 
 
-@pytest.mark.parametrize("cls", [Zoo, ClassFlag])
+@pytest.mark.parametrize("cls", [Zoo, ClassFlag, ConfigFlag])
 def test_a_dormant_branch_plans_and_holds_what_the_block_without_it_does(cls: type) -> None:
     torch.manual_seed(0)
     dormant = _selective(cls())
