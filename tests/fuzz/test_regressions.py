@@ -342,8 +342,11 @@ def test_a_counter_bumped_by_the_forward_does_not_break_the_recompute() -> None:
 # Open, the same class, state that cannot be put back (seed 10638): a traced hook that appends to
 # a list on a submodule (its length guarded), added with a reset, then `fail_on_recompile`: the
 # recompute fits none of the region's entries and, under the stance, runs that frame eager where
-# its forward ran a graph: CheckpointError at step 2 where plain torch trains (each forward fits
-# the entry the step before's recompute compiled; each recompute needs a new one). Settling a region
+# its forward ran a graph: CheckpointError at step 2 where plain torch trains (the resume frame's
+# entries guard `not calls` (the forward after the reset) and `len(calls) == 1` (its recompute);
+# each forward fits the entry the step before's recompute compiled; each recompute needs a new
+# one; letting the recompute compile under the stance broke a block whose forward the stance ran
+# eager, a step later). Settling a region
 # whose recompute compiles a graph guarded on other state fixed it, but also settled FSDP2 layers
 # (accelerate's Qwen3-MoE: FSDP's state differs between forward and backward, so each recompute
 # needs an entry of its own, consistently): 16 of 40 forward GEMMs eager where 1 was. Not shipped.
