@@ -251,6 +251,55 @@ def recompiles_run_eager() -> Iterator[None]:
         module._stance = prior
 
 
+@contextmanager
+def misses_decided(compiles: Callable[[Any], bool]) -> Iterator[None]:
+    """Under ``fail_on_recompile``, each frame that fits none of its entries compiles or runs eager, as ``compiles`` says.
+
+    ``compiles(code)`` is asked once per miss: True converts the frame as the default
+    stance would; False runs it eager for that call alone, compiling nothing (what
+    ``recompiles_run_eager`` does for every miss). The compiled functions entered
+    inside take their callback from the stance (``_callback_from_stance``, read as
+    each is entered, 2.6+ through 2.15): for these calls it wraps theirs, keeping
+    its backend identity (a cache entry is looked up by backend). Where torch keeps
+    none of this, ``recompiles_run_eager``.
+    """
+    module = _eval_frame()
+    from_stance = getattr(module, "_callback_from_stance", None)
+    once = _eager_once()
+    if not fails_on_recompile() or from_stance is None or once is None:
+        with recompiles_run_eager():
+            yield
+        return
+
+    def callback_from_stance(callback: Any) -> Any:
+        if callback in (False, None) or not fails_on_recompile():
+            return from_stance(callback)
+
+        def on_miss(frame: Any, *args: Any, **kwargs: Any) -> Any:
+            return callback(frame, *args, **kwargs) if compiles(frame.f_code) else once
+
+        on_miss._torchdynamo_orig_backend = callback  # type: ignore[attr-defined]
+        return on_miss
+
+    module._callback_from_stance = callback_from_stance
+    try:
+        yield
+    finally:
+        module._callback_from_stance = from_stance
+
+
+@functools.cache
+def _eager_once() -> Any:
+    """A callback's answer that runs the frame eager for this call alone (the frames it calls as the
+    callback says, nothing kept for its code); None where torch lacks these types."""
+    types_ = find_optional("torch._dynamo.types")
+    strategy, action = getattr(types_, "FrameExecStrategy", None), getattr(types_, "FrameAction", None)
+    returned = getattr(types_, "ConvertFrameReturn", None)
+    if None in (strategy, action, returned):
+        return None
+    return returned(frame_exec_strategy=strategy(action.DEFAULT, action.DEFAULT), apply_to_code=False)
+
+
 @functools.cache
 def _eval_frame() -> Any:
     # Asked on every call of a pieces block (``weave.apply``): the module once, its stance each time.
@@ -729,16 +778,16 @@ def lookups_in_order(
         entries_seen: list[int] = []  # the region's entries at each forward's decision, newest last
         storm: list[str] = []  # the frame that recompiled at every call, once the region settled
 
-        def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool | None, Any]:
-            # (None, _): not under an eager checkpoint, no recompute to match: dynamo decides.
-            # (_, frame): the checkpoint's forward decided already: this is its recompute.
+        def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool | None, Any, bool]:
+            # (None, None, _): not under an eager checkpoint, no recompute to match: dynamo decides.
+            # (_, frame, True): the checkpoint's forward decided already: this is its recompute.
             found = _eager_checkpoint_frame()
             if found is None:
-                return None, None
+                return None, None, False
             frame, _ = found
             with suppress(TypeError):  # a frame that takes no weak reference: decided per call
                 if frame in decided:
-                    return decided[frame], frame
+                    return decided[frame], frame, True
             # Any frame of the region: its own, or one dynamo resumes after a break in it. Only
             # the first frame's guards can be read before the call: if it alone is at the limit,
             # a call that fits one of its entries still runs the graphs.
@@ -769,7 +818,7 @@ def lookups_in_order(
                 on_limit(storm[0] if storm else at[-1], every, STORM if storm else AT_LIMIT)
             with suppress(TypeError):
                 decided[frame] = eager
-            return eager, None
+            return eager, frame, False
 
         def recompute(frame: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             # The recompute meets the guarded scalars its forward saw (``state``): a forward that
@@ -781,13 +830,36 @@ def lookups_in_order(
                 if restore is not None:
                     restore()
 
+        # Per checkpoint, under ``fail_on_recompile``: the code of each frame its forward ran
+        # eager, none of its entries fitting. Its recompute runs those eager too, and compiles
+        # a frame its forward ran compiled that now fits none (a traced hook's list one longer:
+        # fuzzer seed 10638); eager there, it would save other tensors than its forward did.
+        ran_eager: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
+
+        def under_the_stance(frame: Any, again: bool) -> Any:
+            if frame is None:
+                return recompiles_run_eager()
+            refused: set[Any] = set()
+            if again:
+                with suppress(TypeError):
+                    refused = ran_eager.pop(frame, refused)
+                return misses_decided(lambda code: code not in refused)
+            with suppress(TypeError):
+                ran_eager[frame] = refused
+
+            def noted(code: Any) -> bool:
+                refused.add(code)
+                return False  # the forward compiles nothing under the stance
+
+            return misses_decided(noted)
+
         at_limit = outside_dynamo(runs_eager, traced_as=runs_eager)
         recompute_in_order = outside_dynamo(recompute, traced_as=recompute)
 
     def in_order(*args: Any, **kwargs: Any) -> Any:
         if inputs is not None:
             args, kwargs = inputs(args, kwargs)
-        eager, again = (None, None) if at_limit is None else at_limit(args, kwargs)
+        eager, frame, again = (None, None, False) if at_limit is None else at_limit(args, kwargs)
         if eager:
             return uncompiled(*args, **kwargs)
         # Under ``fail_on_recompile`` a frame of the region that fits none of its graphs (a
@@ -795,7 +867,7 @@ def lookups_in_order(
         # plain torch runs the module eager, never compiling it (issue 41, item 5).
         stance: Any = nullcontext()
         if fails_on_recompile():
-            stance = recompiles_run_eager()
+            stance = recompiles_run_eager() if at_limit is None else under_the_stance(frame, again)
             first = frame_fn or getattr(compiled, "__wrapped__", None)  # the function it compiles
             if on_refused is not None and callable(first) and recompile_refused(first, args, kwargs):
                 on_refused()
@@ -804,8 +876,8 @@ def lookups_in_order(
             # dynamo's, which would run that frame eager in the forward or in the recompute
             # alone (a recompute often needs an entry its forward did not).
             with order or nullcontext(), _limit_raised(), stance:
-                if again is not None:
-                    return recompute_in_order(again, args, kwargs)
+                if again:
+                    return recompute_in_order(frame, args, kwargs)
                 return compiled(*args, **kwargs)
         with order or nullcontext(), stance:
             return compiled(*args, **kwargs)

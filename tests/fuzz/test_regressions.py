@@ -339,17 +339,18 @@ def test_a_counter_bumped_by_the_forward_does_not_break_the_recompute() -> None:
     assert _differences(COUNTER_BUMPED_BEFORE_THE_RECOMPUTE) == []
 
 
-# Open, the same class, state that cannot be put back (seed 10638): a traced hook that appends to
-# a list on a submodule (its length guarded), added with a reset, then `fail_on_recompile`: the
-# recompute fits none of the region's entries and, under the stance, runs that frame eager where
+# The same class, state that cannot be put back (seed 10638): a traced hook that appends to a list
+# on a submodule (its length guarded), added with a reset, then `fail_on_recompile`: the
+# recompute fit none of the region's entries and, under the stance, ran that frame eager where
 # its forward ran a graph: CheckpointError at step 2 where plain torch trains (the resume frame's
 # entries guard `not calls` (the forward after the reset) and `len(calls) == 1` (its recompute);
 # each forward fits the entry the step before's recompute compiled; each recompute needs a new
-# one; letting the recompute compile under the stance broke a block whose forward the stance ran
-# eager, a step later). Settling a region
-# whose recompute compiles a graph guarded on other state fixed it, but also settled FSDP2 layers
-# (accelerate's Qwen3-MoE: FSDP's state differs between forward and backward, so each recompute
-# needs an entry of its own, consistently): 16 of 40 forward GEMMs eager where 1 was. Not shipped.
+# one). Fixed: under the stance a recompute runs eager the frames its forward ran eager, and
+# compiles the others that fit none (`_compat.dynamo.misses_decided`). Tried before and not
+# shipped: settling a region whose recompute compiles a graph guarded on other state (it also
+# settled FSDP2 layers, whose state differs between forward and backward: accelerate's
+# Qwen3-MoE, 16 of 40 forward GEMMs eager where 1 was), and letting every recompute compile
+# under the stance (a block whose forward the stance ran eager then compiled in its recompute).
 LIST_HOOK_GROWN_BEFORE_THE_RECOMPUTE = Case(
     seed=10638,
     layers=3,
@@ -377,7 +378,6 @@ LIST_HOOK_GROWN_BEFORE_THE_RECOMPUTE = Case(
 )
 
 
-@pytest.mark.xfail(strict=True, reason="open: a guarded list grown before the recompute (seed 10638)")
 def test_a_list_grown_by_the_forward_does_not_break_the_recompute() -> None:
     assert _differences(LIST_HOOK_GROWN_BEFORE_THE_RECOMPUTE) == []
 
