@@ -560,13 +560,14 @@ class _Dispatcher:
 
         False when there is nothing new to plan around (the fallback stays, as in plain torch).
         """
-        known = self._learned.get("breaks", {})
-        if known and located.keys() <= known.keys():
+        known = self._learned.get("breaks")
+        if known is not None and located.keys() <= known.keys():
             # The plan already knows every break this fallback names (woven around them, or
             # left plain where it cannot): a re-plan would make the same plan and fall back the
             # same way, and dropping dynamo's cache for the code would re-trace it at every step
             # (transformers <= 5.22 under a whole-model compile checkpoint around ``__call__``,
-            # where the unit's hooks sit inside the checkpoint). Learned once: the plan is kept,
+            # where the unit's hooks sit inside the checkpoint; per layer too, where dynamo names
+            # no location and nothing new is ever located: fuzzer seed 17079). Learned once: the plan is kept,
             # and dynamo's cached fallback runs that checkpoint eager from now on, as plain torch does.
             logger.info(
                 "%s: dynamo still runs a checkpointed region eager (%s), a break the plan cannot "

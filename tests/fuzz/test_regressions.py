@@ -412,3 +412,37 @@ FSDP_MIXED_PRECISION_VERDICT = Case(
 
 def test_a_verdict_measured_under_fsdp_mixed_precision_is_found_when_planned() -> None:
     assert _differences(FSDP_MIXED_PRECISION_VERDICT) == []
+
+
+# Found by this stop's long run (seed 17079, the events dropped): a checkpoint around `__call__`
+# (transformers <= 5.22) with FSDP2 units and a mixed-precision policy, each block compiled on its
+# own. FSDP's hooks sit inside the checkpoint, and dynamo's fallback names no location: nothing
+# located, the dispatcher re-planned with nothing new at every call, dropped dynamo's cache for the
+# block's code each time and converted 2 frames per step after warm-up (plain torch: 0), holding
+# 5x plain torch's activations (370 KB vs 74 KB). Fixed: a second fallback that locates nothing
+# new is learned once, whether or not the first located anything (the block then runs as plain).
+UNLOCATED_FALLBACK_IN_A_CALL_CHECKPOINT = Case(
+    seed=17079,
+    layers=2,
+    value_type="str",
+    value_place="public",
+    values_differ=False,
+    brk="disabled-call",
+    break_at="middle",
+    ac="checkpoint-in-call",
+    form="torch.compile(block)",
+    fullgraph=False,
+    strategy="auto",
+    decorator="computing",
+    lengths="mark_dynamic",
+    recompile_limit=None,
+    steps=4,
+    events=(),
+    hook_style="disabled-count",
+    call_path="helper",
+    parallel="fsdp-mp",
+)
+
+
+def test_an_unlocated_fallback_is_learned_once() -> None:
+    assert _differences(UNLOCATED_FALLBACK_IN_A_CALL_CHECKPOINT) == []
