@@ -703,7 +703,6 @@ def lookups_in_order(
     recompile_limit: int | None = None,
     on_limit: Callable[[str, bool, str], None] | None = None,
     on_refused: Callable[[], None] | None = None,
-    state: Any = None,
 ) -> Callable[..., Any]:
     """``compiled`` with dynamo's cache entries looked up in the order they were made.
 
@@ -752,10 +751,6 @@ def lookups_in_order(
     A plain compile (no region) raises as the user asked. ``on_refused`` is told
     when the region's first frame, holding entries, fits none of them (a recompile
     refused: that call runs eager).
-
-    ``state`` (``weave.guarded_state.GuardedState``, built from the first frame's
-    function): notes, at the forward's decision, the guarded scalars the forward may
-    change, and presents them to the recompute.
     """
     order = _insertion_order()
     if order is None and inputs is None:
@@ -768,13 +763,9 @@ def lookups_in_order(
     if eager is not None:
         uncompiled = outside_dynamo(eager, traced_as=eager)
         frame_fn = converted or eager
-        state = None if state is None else state(frame_fn)
         # Decided once per checkpoint, at the region's first call in its forward (before
         # its graphs record anything there), and found again by its recompute.
         decided: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-        noted: weakref.WeakKeyDictionary[Any, Any] = (
-            weakref.WeakKeyDictionary()
-        )  # per checkpoint: its forward's
         entries_seen: list[int] = []  # the region's entries at each forward's decision, newest last
         storm: list[str] = []  # the frame that recompiled at every call, once the region settled
 
@@ -811,24 +802,11 @@ def lookups_in_order(
                 ):
                     storm.append(frame_fn.__code__.co_name)
                     eager = every = True
-            if not eager and state is not None:
-                with suppress(TypeError):
-                    noted[frame] = state.note(args, entries_seen[-1], entries_made())
             if eager and on_limit is not None:
                 on_limit(storm[0] if storm else at[-1], every, STORM if storm else AT_LIMIT)
             with suppress(TypeError):
                 decided[frame] = eager
             return eager, frame, False
-
-        def recompute(frame: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            # The recompute meets the guarded scalars its forward saw (``state``): a forward that
-            # bumped ``self.calls`` no longer sends it to a graph of its own (fuzzer seed 10090).
-            restore = None if state is None else state.present(noted.pop(frame, []), entries_made())
-            try:
-                return compiled(*args, **kwargs)
-            finally:
-                if restore is not None:
-                    restore()
 
         # Per checkpoint, under ``fail_on_recompile``: the code of each frame its forward ran
         # eager, none of its entries fitting. Its recompute runs those eager too, and compiles
@@ -854,7 +832,6 @@ def lookups_in_order(
             return misses_decided(noted)
 
         at_limit = outside_dynamo(runs_eager, traced_as=runs_eager)
-        recompute_in_order = outside_dynamo(recompute, traced_as=recompute)
 
     def in_order(*args: Any, **kwargs: Any) -> Any:
         if inputs is not None:
@@ -876,8 +853,6 @@ def lookups_in_order(
             # dynamo's, which would run that frame eager in the forward or in the recompute
             # alone (a recompute often needs an entry its forward did not).
             with order or nullcontext(), _limit_raised(), stance:
-                if again:
-                    return recompute_in_order(frame, args, kwargs)
                 return compiled(*args, **kwargs)
         with order or nullcontext(), stance:
             return compiled(*args, **kwargs)

@@ -27,7 +27,6 @@ from autoweave.planning.learned import verdict_of
 from autoweave.planning.plans import Action, Plan
 from autoweave.weave import on_own_code
 from autoweave.weave.first_call_memory import FirstCall
-from autoweave.weave.guarded_state import GuardedState
 from autoweave.weave.keep_checkpoint import AtRecompileLimit, PiecesBlock
 from autoweave.weave.pieces import CheckpointPieces, RegionBackend
 from autoweave.weave.shared_kinds import Install, KindRegion
@@ -373,7 +372,6 @@ def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any])
         "recompile_limit": region_kw.get("recompile_limit"),
         "on_limit": on_limit,
         "on_refused": on_refused,
-        "state": GuardedState,
     }
 
 

@@ -304,14 +304,17 @@ def test_a_storm_under_pieces_settles_within_the_watchdogs_allowance() -> None:
     assert _differences(STORM_UNDER_PIECES) == []
 
 
-# Found on the previous stop's final code (and the one before): a checkpoint around
-# `__call__`, the whole model compiled, `self.calls += 1`, block 1 frozen after the first step
-# (seed 10090). The region's first frame is guarded on `self.calls`, which its forward bumps:
-# the checkpoint's recompute saw the bumped value, fit none of the entries and compiled another
-# graph (the block's float made dynamic by then), whose saved tensors differed from the
-# forward's: CheckpointError at step 1 where plain torch (the block eager) trains. Fixed: the
-# recompute is presented the guarded scalars its forward saw (`weave.guarded_state`), and the
-# counter ends as plain torch leaves it (bumped in forward and recompute).
+# Open (found two stops ago): a checkpoint around `__call__`, the whole model compiled,
+# `self.calls += 1`, block 1 frozen after the first step (seed 10090). The region's first frame is
+# guarded on `self.calls`, which its forward bumps: the checkpoint's recompute sees the bumped
+# value, fits none of the entries and compiles another graph (the block's float made dynamic by
+# then), whose saved tensors differ from the forward's: CheckpointError at step 1 where plain
+# torch (the block eager) trains. Presenting the recompute the guarded scalars its forward saw
+# (`weave.guarded_state`) fixed it and was shipped twice, reverted twice: seed 14030's 3.4x (the
+# first time) was the fuzzer's measurement, but seed 18560 (the second: full AC, a counter, a
+# `.item()` break) is not: with the recompute no longer compiling, the module's watchdog, not the
+# region's, settled the counter's storm ("re-planned: hoist -> plain"), and plain torch.compile's
+# frames then compiled at every call after warm-up (plain torch: none), holding 5x its memory.
 COUNTER_BUMPED_BEFORE_THE_RECOMPUTE = Case(
     seed=10090,
     layers=2,
@@ -335,6 +338,7 @@ COUNTER_BUMPED_BEFORE_THE_RECOMPUTE = Case(
 )
 
 
+@pytest.mark.xfail(strict=True, reason="open: a guarded counter bumped before the recompute (seed 10090)")
 def test_a_counter_bumped_by_the_forward_does_not_break_the_recompute() -> None:
     assert _differences(COUNTER_BUMPED_BEFORE_THE_RECOMPUTE) == []
 
