@@ -450,3 +450,37 @@ UNLOCATED_FALLBACK_IN_A_CALL_CHECKPOINT = Case(
 
 def test_an_unlocated_fallback_is_learned_once() -> None:
     assert _differences(UNLOCATED_FALLBACK_IN_A_CALL_CHECKPOINT) == []
+
+
+# Found by this stop's long run on the guarded-state fix for seed 10090 (seed 18560): full AC, a
+# counter bumped per call, a `.item()` break. With the recompute presented the forward's counter
+# it no longer compiled, the module's watchdog (not the region's) settled the counter's storm into
+# plain torch.compile, whose frames then compiled at every call after warm-up (plain torch: none),
+# 5x plain torch's memory (496 KB vs 93 KB). Passes without that fix; a guard against shipping it
+# again as it was.
+COUNTER_STORM_SETTLED_BY_THE_REGION = Case(
+    seed=18560,
+    layers=3,
+    value_type="float",
+    value_place="private",
+    values_differ=True,
+    brk="item",
+    break_at="middle",
+    ac="full",
+    form="block.compile()",
+    fullgraph=False,
+    strategy="auto",
+    decorator="pass-through",
+    lengths="dynamic=True",
+    recompile_limit=None,
+    steps=3,
+    events=(),
+    hook_style="traced-list",
+    call_path="container",
+    counter=True,
+    stat_gate=True,
+)
+
+
+def test_a_counter_storm_is_settled_by_its_region() -> None:
+    assert _differences(COUNTER_STORM_SETTLED_BY_THE_REGION) == []
