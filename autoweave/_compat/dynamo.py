@@ -658,8 +658,6 @@ def region_would_convert(forward: Any, args: tuple[Any, ...], kwargs: dict[str, 
 # after which it runs eager (the steady-state watchdog in ``lookups_in_order``). Warm-up compiles
 # at most twice in a row (a first graph, then one with a length made dynamic).
 STORM_CALLS = 3
-# Why a region settled (``lookups_in_order``'s ``on_limit``): a frame at the recompile limit, or the watchdog.
-AT_LIMIT, STORM = "limit", "storm"
 _raised_from: list[int] = []  # the user's recompile limit, while woven calls run with it raised
 _LIMIT_HEADROOM = 64  # entries a region's frames may take past the limit while its calls in flight finish
 
@@ -701,7 +699,7 @@ def lookups_in_order(
     eager: Callable[..., Any] | None = None,
     converted: Callable[..., Any] | None = None,
     recompile_limit: int | None = None,
-    on_limit: Callable[[str, bool, str], None] | None = None,
+    on_limit: Callable[[str, bool, bool], None] | None = None,
     on_refused: Callable[[], None] | None = None,
 ) -> Callable[..., Any]:
     """``compiled`` with dynamo's cache entries looked up in the order they were made.
@@ -803,7 +801,7 @@ def lookups_in_order(
                     storm.append(frame_fn.__code__.co_name)
                     eager = every = True
             if eager and on_limit is not None:
-                on_limit(storm[0] if storm else at[-1], every, STORM if storm else AT_LIMIT)
+                on_limit(storm[0] if storm else at[-1], every, bool(storm))
             with suppress(TypeError):
                 decided[frame] = eager
             return eager, frame, False

@@ -347,14 +347,15 @@ def _build_kind_region(
 def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any]) -> dict[str, Any]:
     """``lookups_in_order``'s arguments for a region at its recompile limit: what runs, and the warning."""
 
-    def on_limit(frame: str, every: bool, why: str) -> None:
+    def on_limit(frame: str, every: bool, storm: bool) -> None:
         # ``every``: a frame resumed after a break is at the limit, not only the region's own.
-        # ``why``: at the limit, or not yet, but it compiled again at every call (the watchdog).
+        # ``storm``: not at the limit yet, but it compiled again at every call (the watchdog).
         runs = "from this call on, every call" if every else "a call none of its graphs fits"
-        where = {
-            _compat.dynamo.STORM: f"compiled again at each of its last {_compat.dynamo.STORM_CALLS} calls",
-        }.get(why, "is at dynamo's recompile limit")
-        where = f"{where} (frame {frame})"
+        where = (
+            f"compiled again at each of its last {_compat.dynamo.STORM_CALLS} calls (frame {frame})"
+            if storm
+            else f"is at dynamo's recompile limit (frame {frame})"
+        )
         told = warn_each(
             f"recompile-limit:{label}",
             f"[recompile-limit] woven region {label} {where}: "
