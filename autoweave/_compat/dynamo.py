@@ -701,6 +701,7 @@ def lookups_in_order(
     recompile_limit: int | None = None,
     on_limit: Callable[[str, bool, bool], None] | None = None,
     on_refused: Callable[[], None] | None = None,
+    state: Any = None,
 ) -> Callable[..., Any]:
     """``compiled`` with dynamo's cache entries looked up in the order they were made.
 
@@ -749,6 +750,10 @@ def lookups_in_order(
     A plain compile (no region) raises as the user asked. ``on_refused`` is told
     when the region's first frame, holding entries, fits none of them (a recompile
     refused: that call runs eager).
+
+    ``state`` (``weave.guarded_state.GuardedState``, built from the first frame's
+    function): notes, at the forward's decision, the guarded scalars the forward may
+    change, and presents them to the recompute.
     """
     order = _insertion_order()
     if order is None and inputs is None:
@@ -761,11 +766,27 @@ def lookups_in_order(
     if eager is not None:
         uncompiled = outside_dynamo(eager, traced_as=eager)
         frame_fn = converted or eager
+        state = None if state is None else state(frame_fn)
         # Decided once per checkpoint, at the region's first call in its forward (before
         # its graphs record anything there), and found again by its recompute.
         decided: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-        entries_seen: list[int] = []  # the region's entries at each forward's decision, newest last
+        noted: weakref.WeakKeyDictionary[Any, Any] = (
+            weakref.WeakKeyDictionary()
+        )  # per checkpoint: its forward's
+        # The steady-state watchdog: the region's entries at each forward's decision (newest
+        # last); per block the region runs, its calls in a row that made dynamo make an entry.
+        # Blocks of one kind share the region's code and their calls interleave: one block's
+        # call may fit the entry another's made for the value both now hold (``self.calls``,
+        # bumped in each once per step: fuzzer seed 18560), so the region's entries grow at
+        # some of its calls, not all, and each step's first block makes them.
+        import torch.nn as nn
+
+        entries_seen: list[list[tuple[str, int]]] = []
+        streak: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         storm: list[str] = []  # the frame that recompiled at every call, once the region settled
+
+        def sharer(args: tuple[Any, ...]) -> Any:
+            return next((a for a in args if isinstance(a, nn.Module)), frame_fn)
 
         def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool | None, Any, bool]:
             # (None, None, _): not under an eager checkpoint, no recompute to match: dynamo decides.
@@ -790,21 +811,46 @@ def lookups_in_order(
                 eager = every or (bool(at) and _no_entry_at_limit(frame_fn, args, kwargs, limit))
             if not eager:
                 # The steady-state watchdog: a region whose frames compiled again at each of its
-                # last STORM_CALLS calls (an int attribute bumped per call, a hook appending to a
-                # list) would recompile up to the limit, step after step, where plain torch runs
-                # the block eager under its checkpoint and compiles nothing: settled now.
-                entries_seen.append(sum(n for _, n in counts))
+                # last STORM_CALLS calls, or at each of one block's (an int attribute bumped per
+                # call, a hook appending to a list), would recompile up to the limit, step after
+                # step, where plain torch runs its blocks eager under their checkpoints and
+                # compiles nothing: settled now, every block of it (one that stops compiling
+                # hands the new values to the next block called: seed 18560).
+                entries_seen.append(counts)
                 del entries_seen[: -STORM_CALLS - 1]
-                if len(entries_seen) > STORM_CALLS and all(
-                    a < b for a, b in zip(entries_seen, entries_seen[1:], strict=False)
+                totals = [sum(n for _, n in c) for c in entries_seen]
+                if streak.get(sharer(args), 0) >= STORM_CALLS or (
+                    len(totals) > STORM_CALLS and all(a < b for a, b in zip(totals, totals[1:], strict=False))
                 ):
-                    storm.append(frame_fn.__code__.co_name)
+                    first = dict(entries_seen[0])  # named: the last frame that grew, else the first
+                    grew = [name for name, n in counts if n > first.get(name, 0)]
+                    storm.append(grew[-1] if grew else frame_fn.__code__.co_name)
                     eager = every = True
+            if not eager and state is not None:
+                with suppress(TypeError):
+                    noted[frame] = state.note(args, totals[-1], entries_made())
             if eager and on_limit is not None:
                 on_limit(storm[0] if storm else at[-1], every, bool(storm))
             with suppress(TypeError):
                 decided[frame] = eager
             return eager, frame, False
+
+        def recompute(frame: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            # The recompute meets the guarded scalars its forward saw (``state``): a forward that
+            # bumped ``self.calls`` no longer sends it to a graph of its own (fuzzer seed 10090).
+            restore = None if state is None else state.present(noted.pop(frame, []), entries_made())
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                if restore is not None:
+                    restore()
+
+        def forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            before = entries_made()
+            out = compiled(*args, **kwargs)
+            block = sharer(args)  # the watchdog's count of this block's calls that made an entry
+            streak[block] = streak.get(block, 0) + 1 if entries_made() != before else 0
+            return out
 
         # Per checkpoint, under ``fail_on_recompile``: the code of each frame its forward ran
         # eager, none of its entries fitting. Its recompute runs those eager too, and compiles
@@ -830,6 +876,8 @@ def lookups_in_order(
             return misses_decided(noted)
 
         at_limit = outside_dynamo(runs_eager, traced_as=runs_eager)
+        recompute_in_order = outside_dynamo(recompute, traced_as=recompute)
+        forward_in_order = outside_dynamo(forward, traced_as=forward)
 
     def in_order(*args: Any, **kwargs: Any) -> Any:
         if inputs is not None:
@@ -851,7 +899,11 @@ def lookups_in_order(
             # dynamo's, which would run that frame eager in the forward or in the recompute
             # alone (a recompute often needs an entry its forward did not).
             with order or nullcontext(), _limit_raised(), stance:
-                return compiled(*args, **kwargs)
+                if again:
+                    return recompute_in_order(frame, args, kwargs)
+                if frame is None:  # not under an eager checkpoint: no recompute, no watchdog
+                    return compiled(*args, **kwargs)
+                return forward_in_order(args, kwargs)
         with order or nullcontext(), stance:
             return compiled(*args, **kwargs)
 

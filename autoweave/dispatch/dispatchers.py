@@ -319,10 +319,13 @@ class _Dispatcher:
         """A call of the woven regions, watched for the steady state (the watchdog).
 
         After warm-up a woven module compiles nothing plain torch would not. One that still
-        makes dynamo make a cache entry at each of ``STORM_CALLS`` calls in a row (an int attribute
-        bumped per call, a hook appending to a list: a new guard value each time) would
+        makes dynamo make a cache entry at each of ``STORM_CALLS + 1`` calls in a row (an int
+        attribute bumped per call, a hook appending to a list: a new guard value each time) would
         recompile up to the limit, step after step: it is settled into plain torch.compile's
-        behaviour, with one warning naming it. Settled at the entry of a later forward, never
+        behaviour, with one warning naming it. One call after a woven region's own watchdog
+        (``_compat.dynamo.lookups_in_order``), which settles a storm in the region finer, into
+        its blocks eager under their checkpoints, as plain torch runs them (fuzzer seed 18560:
+        settled here first, plain torch.compile's frames compiled again after warm-up). Settled at the entry of a later forward, never
         between a forward and its recompute (which must run what the forward ran), as a
         re-plan is (``_on_hidden_fallback``).
         """
@@ -330,7 +333,7 @@ class _Dispatcher:
         # settled, would raise there, and no woven region compiles under it (a call none of its
         # graphs fits runs eager), so the storm is over (fuzzer seed 8129).
         if (
-            self._converting >= _compat.dynamo.STORM_CALLS
+            self._converting > _compat.dynamo.STORM_CALLS
             and not _compat.checkpoints.in_backward()
             and not _compat.dynamo.fails_on_recompile()
         ):
@@ -355,7 +358,7 @@ class _Dispatcher:
         warn_each(
             f"steady-state:{id(self)}",
             f"[steady-state] {summary.name_of(self)}: dynamo compiled again at each of its last "
-            f"{_compat.dynamo.STORM_CALLS} calls after warm-up (TORCH_LOGS=recompiles says which guard "
+            f"{_compat.dynamo.STORM_CALLS + 1} calls after warm-up (TORCH_LOGS=recompiles says which guard "
             "failed); it runs as plain torch.compile runs it from now on",
         )
 

@@ -27,6 +27,7 @@ from autoweave.planning.learned import verdict_of
 from autoweave.planning.plans import Action, Plan
 from autoweave.weave import on_own_code
 from autoweave.weave.first_call_memory import FirstCall
+from autoweave.weave.guarded_state import GuardedState
 from autoweave.weave.keep_checkpoint import AtRecompileLimit, PiecesBlock
 from autoweave.weave.pieces import CheckpointPieces, RegionBackend
 from autoweave.weave.shared_kinds import Install, KindRegion
@@ -352,13 +353,14 @@ def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any])
         # ``storm``: not at the limit yet, but it compiled again at every call (the watchdog).
         runs = "from this call on, every call" if every else "a call none of its graphs fits"
         where = (
-            f"compiled again at each of its last {_compat.dynamo.STORM_CALLS} calls (frame {frame})"
+            f"compiled again at each of its (or one block's) last {_compat.dynamo.STORM_CALLS} calls (frame {frame})"
             if storm
             else f"is at dynamo's recompile limit (frame {frame})"
         )
+        tag = "steady-state" if storm else "recompile-limit"
         told = warn_each(
-            f"recompile-limit:{label}",
-            f"[recompile-limit] woven region {label} {where}: "
+            f"{tag}:{label}",
+            f"[{tag}] woven region {label} {where}: "
             f"{runs} runs eager under its checkpoint, forward and recompute alike, as in plain torch. "
             "TORCH_LOGS=recompiles says which guard failed each time",
         )
@@ -373,6 +375,7 @@ def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any])
         "recompile_limit": region_kw.get("recompile_limit"),
         "on_limit": on_limit,
         "on_refused": on_refused,
+        "state": GuardedState,
     }
 
 

@@ -35,6 +35,8 @@ def test_a_recompile_storm_under_data_parallel_settles_and_trains_as_plain_torch
         assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
     # After warm-up, no rank converts a frame plain torch does not (plain: none after step 0).
     assert woven["frames"][WARM_UP:] == plain["frames"][WARM_UP:] == [0] * (len(plain["frames"]) - WARM_UP)
-    # Settled by the watchdog, with a warning naming each block, before dynamo's limit (before the
-    # watchdog: 74 frames converted in steps 0-5 and the limit warning on every rank).
-    assert "[steady-state] DDPModel.layers.0 (Block)" in stderr and "[recompile-limit]" not in stderr
+    # Settled by the region's watchdog (eager under its checkpoint, as plain torch runs it), with
+    # a warning naming the region and the frame that recompiled, before dynamo's limit (before
+    # the watchdog: 74 frames converted in steps 0-5 and the limit warning on every rank).
+    settled = [line for line in stderr.splitlines() if "[steady-state] woven region autoweave_Block" in line]
+    assert settled and "[recompile-limit]" not in stderr, stderr[-3000:]

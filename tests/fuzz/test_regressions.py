@@ -304,17 +304,15 @@ def test_a_storm_under_pieces_settles_within_the_watchdogs_allowance() -> None:
     assert _differences(STORM_UNDER_PIECES) == []
 
 
-# Open (found two stops ago): a checkpoint around `__call__`, the whole model compiled,
-# `self.calls += 1`, block 1 frozen after the first step (seed 10090). The region's first frame is
-# guarded on `self.calls`, which its forward bumps: the checkpoint's recompute sees the bumped
-# value, fits none of the entries and compiles another graph (the block's float made dynamic by
-# then), whose saved tensors differ from the forward's: CheckpointError at step 1 where plain
-# torch (the block eager) trains. Presenting the recompute the guarded scalars its forward saw
-# (`weave.guarded_state`) fixed it and was shipped twice, reverted twice: seed 14030's 3.4x (the
-# first time) was the fuzzer's measurement, but seed 18560 (the second: full AC, a counter, a
-# `.item()` break) is not: with the recompute no longer compiling, the module's watchdog, not the
-# region's, settled the counter's storm ("re-planned: hoist -> plain"), and plain torch.compile's
-# frames then compiled at every call after warm-up (plain torch: none), holding 5x its memory.
+# Found by a long run four stops ago: a checkpoint around
+# `__call__`, the whole model compiled, `self.calls += 1`, block 1 frozen after the first step
+# (seed 10090). The region's first frame is guarded on `self.calls`, which its forward bumps:
+# the checkpoint's recompute saw the bumped value, fit none of the entries and compiled another
+# graph (the block's float made dynamic by then), whose saved tensors differed from the
+# forward's: CheckpointError at step 1 where plain torch (the block eager) trains. Fixed: the
+# recompute is presented the guarded scalars its forward saw (`weave.guarded_state`), and the
+# counter ends as plain torch leaves it (bumped in forward and recompute); it holds with the
+# region's watchdog counted per block (seed 18560, below).
 COUNTER_BUMPED_BEFORE_THE_RECOMPUTE = Case(
     seed=10090,
     layers=2,
@@ -338,7 +336,6 @@ COUNTER_BUMPED_BEFORE_THE_RECOMPUTE = Case(
 )
 
 
-@pytest.mark.xfail(strict=True, reason="open: a guarded counter bumped before the recompute (seed 10090)")
 def test_a_counter_bumped_by_the_forward_does_not_break_the_recompute() -> None:
     assert _differences(COUNTER_BUMPED_BEFORE_THE_RECOMPUTE) == []
 
@@ -452,12 +449,16 @@ def test_an_unlocated_fallback_is_learned_once() -> None:
     assert _differences(UNLOCATED_FALLBACK_IN_A_CALL_CHECKPOINT) == []
 
 
-# Found by this stop's long run on the guarded-state fix for seed 10090 (seed 18560): full AC, a
-# counter bumped per call, a `.item()` break. With the recompute presented the forward's counter
-# it no longer compiled, the module's watchdog (not the region's) settled the counter's storm into
-# plain torch.compile, whose frames then compiled at every call after warm-up (plain torch: none),
-# 5x plain torch's memory (496 KB vs 93 KB). Passes without that fix; a guard against shipping it
-# again as it was.
+# Found by a long run on the guarded-state fix for seed 10090 (seed 18560): full AC, three blocks
+# of one kind, each bumping its counter once per step, a `.item()` break. With the recompute
+# presented the forward's counter it no longer compiled; the region then made one entry per step
+# (the first block called makes it for the value all three now hold, the others fit it), so the
+# region's watchdog, reading the region's entries at each of its calls, never saw a storm, and the
+# module's settled it into plain torch.compile, whose frames then compiled at every call after
+# warm-up (plain torch: none), 5x plain torch's memory (496 KB vs 93 KB). Fixed: the region's
+# watchdog reads them per block (each block saw the region grow at each of its calls), and a
+# module's waits one call more than a region's. Fails with the watchdog counting calls per block
+# (445 KB: each block settles after 3 steps of its own compiles) or per region (437 KB).
 COUNTER_STORM_SETTLED_BY_THE_REGION = Case(
     seed=18560,
     layers=3,

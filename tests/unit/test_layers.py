@@ -60,6 +60,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "autoweave.weave",
         "autoweave.weave.grad_none",
+        "autoweave.weave.guarded_state",
         "autoweave.weave.pieces",
         "autoweave.weave.first_call_memory",
         "autoweave.weave.shared_kinds",
