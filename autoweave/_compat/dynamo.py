@@ -658,6 +658,14 @@ def region_would_convert(forward: Any, args: tuple[Any, ...], kwargs: dict[str, 
 # after which it runs eager (the steady-state watchdog in ``lookups_in_order``). Warm-up compiles
 # at most twice in a row (a first graph, then one with a length made dynamic).
 STORM_CALLS = 3
+_regions_settled = [0]  # woven regions the steady-state watchdog settled, in this process
+
+
+def regions_settled() -> int:
+    """How many woven regions the steady-state watchdog settled: a module's watchdog leaves those storms to them."""
+    return _regions_settled[0]
+
+
 _raised_from: list[int] = []  # the user's recompile limit, while woven calls run with it raised
 _LIMIT_HEADROOM = 64  # entries a region's frames may take past the limit while its calls in flight finish
 
@@ -773,16 +781,15 @@ def lookups_in_order(
         noted: weakref.WeakKeyDictionary[Any, Any] = (
             weakref.WeakKeyDictionary()
         )  # per checkpoint: its forward's
-        # The steady-state watchdog: the region's entries at each forward's decision (newest
-        # last); per block the region runs, its calls in a row that made dynamo make an entry.
-        # Blocks of one kind share the region's code and their calls interleave: one block's
-        # call may fit the entry another's made for the value both now hold (``self.calls``,
-        # bumped in each once per step: fuzzer seed 18560), so the region's entries grow at
-        # some of its calls, not all, and each step's first block makes them.
+        # The steady-state watchdog: the region's forwards in a row that made dynamo make an
+        # entry, for the region and per block it runs. Blocks of one kind share the region's
+        # code and their calls interleave: one block's call may fit the entry another's made
+        # for the value both now hold (``self.calls``, bumped in each once per step: fuzzer
+        # seed 18560), so the region makes entries at one call of three, each step's first.
         import torch.nn as nn
 
-        entries_seen: list[list[tuple[str, int]]] = []
         streak: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        decided_at: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
         storm: list[str] = []  # the frame that recompiled at every call, once the region settled
 
         def sharer(args: tuple[Any, ...]) -> Any:
@@ -810,25 +817,11 @@ def lookups_in_order(
                 every = bool(at) and at != [frame_fn.__code__.co_name]
                 eager = every or (bool(at) and _no_entry_at_limit(frame_fn, args, kwargs, limit))
             if not eager:
-                # The steady-state watchdog: a region whose frames compiled again at each of its
-                # last STORM_CALLS calls, or at each of one block's (an int attribute bumped per
-                # call, a hook appending to a list), would recompile up to the limit, step after
-                # step, where plain torch runs its blocks eager under their checkpoints and
-                # compiles nothing: settled now, every block of it (one that stops compiling
-                # hands the new values to the next block called: seed 18560).
-                entries_seen.append(counts)
-                del entries_seen[: -STORM_CALLS - 1]
-                totals = [sum(n for _, n in c) for c in entries_seen]
-                if streak.get(sharer(args), 0) >= STORM_CALLS or (
-                    len(totals) > STORM_CALLS and all(a < b for a, b in zip(totals, totals[1:], strict=False))
-                ):
-                    first = dict(entries_seen[0])  # named: the last frame that grew, else the first
-                    grew = [name for name, n in counts if n > first.get(name, 0)]
-                    storm.append(grew[-1] if grew else frame_fn.__code__.co_name)
-                    eager = every = True
-            if not eager and state is not None:
                 with suppress(TypeError):
-                    noted[frame] = state.note(args, totals[-1], entries_made())
+                    decided_at[sharer(args)] = dict(counts)
+                if state is not None:
+                    with suppress(TypeError):
+                        noted[frame] = state.note(args, sum(n for _, n in counts), entries_made())
             if eager and on_limit is not None:
                 on_limit(storm[0] if storm else at[-1], every, bool(storm))
             with suppress(TypeError):
@@ -848,8 +841,22 @@ def lookups_in_order(
         def forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             before = entries_made()
             out = compiled(*args, **kwargs)
-            block = sharer(args)  # the watchdog's count of this block's calls that made an entry
-            streak[block] = streak.get(block, 0) + 1 if entries_made() != before else 0
+            # The steady-state watchdog: a region that made dynamo make an entry at each of its
+            # last STORM_CALLS calls, or at each of one block's (an int attribute bumped per
+            # call, a hook appending to a list), would recompile up to the limit, step after
+            # step, where plain torch runs its blocks eager under their checkpoints and compiles
+            # nothing: settled as this call returns (before a module's watchdog, which would
+            # settle the module coarser, into plain torch.compile, reads it), every block of the
+            # region from its next call (one that stops compiling hands the new values to the
+            # next block called: seed 18560). Its recompute runs what this forward ran.
+            made, block = entries_made() != before, sharer(args)
+            for key in {block, frame_fn}:
+                streak[key] = streak.get(key, 0) + 1 if made else 0
+            if not storm and max(streak[block], streak[frame_fn]) >= STORM_CALLS:
+                was = decided_at.get(block, {})  # named: the last frame that grew in this call
+                grew = [name for name, n in backends.entry_counts(frame_fn) if n > was.get(name, 0)]
+                storm.append(grew[-1] if grew else frame_fn.__code__.co_name)
+                _regions_settled[0] += 1
             return out
 
         # Per checkpoint, under ``fail_on_recompile``: the code of each frame its forward ran

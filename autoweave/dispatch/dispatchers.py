@@ -319,13 +319,13 @@ class _Dispatcher:
         """A call of the woven regions, watched for the steady state (the watchdog).
 
         After warm-up a woven module compiles nothing plain torch would not. One that still
-        makes dynamo make a cache entry at each of ``STORM_CALLS + 1`` calls in a row (an int
+        makes dynamo make a cache entry at each of ``STORM_CALLS`` calls in a row (an int
         attribute bumped per call, a hook appending to a list: a new guard value each time) would
         recompile up to the limit, step after step: it is settled into plain torch.compile's
-        behaviour, with one warning naming it. One call after a woven region's own watchdog
-        (``_compat.dynamo.lookups_in_order``), which settles a storm in the region finer, into
-        its blocks eager under their checkpoints, as plain torch runs them (fuzzer seed 18560:
-        settled here first, plain torch.compile's frames compiled again after warm-up). Settled at the entry of a later forward, never
+        behaviour, with one warning naming it. A call in which one of its woven regions settled
+        its own storm (``_compat.dynamo.lookups_in_order``: finer, its blocks eager under their
+        checkpoints, as plain torch runs them) does not count (fuzzer seed 18560: settled here
+        instead, plain torch.compile's frames compiled again after warm-up). Settled at the entry of a later forward, never
         between a forward and its recompute (which must run what the forward ran), as a
         re-plan is (``_on_hidden_fallback``).
         """
@@ -333,16 +333,20 @@ class _Dispatcher:
         # settled, would raise there, and no woven region compiles under it (a call none of its
         # graphs fits runs eager), so the storm is over (fuzzer seed 8129).
         if (
-            self._converting > _compat.dynamo.STORM_CALLS
+            self._converting >= _compat.dynamo.STORM_CALLS
             and not _compat.checkpoints.in_backward()
             and not _compat.dynamo.fails_on_recompile()
         ):
             self._settle()
             return self.call(*args, **kwargs)
-        before = _compat.dynamo.entries_made()
+        before, settled = _compat.dynamo.entries_made(), _compat.dynamo.regions_settled()
         out = self._eager(*args, **kwargs)
         if not _compat.checkpoints.in_backward():  # a recompute is not a call of the forward
-            self._converting = self._converting + 1 if _compat.dynamo.entries_made() != before else 0
+            made = _compat.dynamo.entries_made() != before
+            # A storm a woven region settled in this call (into its blocks eager under their
+            # checkpoints, as plain torch runs them) is over: not the module's to settle.
+            made = made and _compat.dynamo.regions_settled() == settled
+            self._converting = self._converting + 1 if made else 0
         return out
 
     def _settle(self) -> None:
@@ -358,7 +362,7 @@ class _Dispatcher:
         warn_each(
             f"steady-state:{id(self)}",
             f"[steady-state] {summary.name_of(self)}: dynamo compiled again at each of its last "
-            f"{_compat.dynamo.STORM_CALLS + 1} calls after warm-up (TORCH_LOGS=recompiles says which guard "
+            f"{_compat.dynamo.STORM_CALLS} calls after warm-up (TORCH_LOGS=recompiles says which guard "
             "failed); it runs as plain torch.compile runs it from now on",
         )
 
