@@ -27,7 +27,7 @@ from torch._dynamo.utils import counters
 import autoweave
 from autoweave import _compat, _state
 from benchmarks.measure import heap_in_use
-from tests.fuzz.grammar import DIM, Case, block_of, build, lengths_of, one_rank
+from tests.fuzz.grammar import DIM, Case, block_of, build, lengths_of, one_rank, real_unit
 
 BACKEND = "aot_eager"
 MEMORY_RATIO = 1.05
@@ -410,6 +410,23 @@ def differences(case: Case, plain: Outcome, woven: Outcome, bound: Outcome) -> l
     return out
 
 
+def reference(case: Case, plain: Outcome, woven: Outcome) -> Outcome:
+    """What autoweave's run of ``case`` is compared with: plain torch's, ``plain``, but for one case.
+
+    Under ``fullgraph=True`` with real FSDP2 units and no break but theirs, plain torch raises
+    at a unit's hooks (dynamo is told to skip them) where autoweave, by design, splits the
+    block at them and compiles the rest whole (docs/strategies.md, "fullgraph=True"). Where
+    plain raised that way at the first step and autoweave trained, plain torch without
+    ``fullgraph`` is the reference (seed 21090: the layers' own units inside a checkpoint
+    around ``__call__``).
+    """
+    units_only = case.fullgraph and case.brk == "fsdp-unit" and real_unit(case)
+    raised = plain.error is not None and plain.error[0] == 0 and "Unsupported" in plain.error_bases
+    if units_only and raised and woven.error is None:
+        return run(dataclasses.replace(case, fullgraph=False), on=False)
+    return plain
+
+
 def check(seed: int) -> tuple[Case, list[str]]:
     """Draw case ``seed``, run it both ways, and list the differences."""
     from tests.fuzz.grammar import draw
@@ -417,6 +434,7 @@ def check(seed: int) -> tuple[Case, list[str]]:
     case = draw(seed)
     plain = run(case, on=False)
     woven = run(case, on=True)
+    plain = reference(case, plain, woven)
     bound = Outcome()  # run only where the recompiles need it: a third run costs as much again
     if woven.recompiles > plain.recompiles + len(woven.frames):
         bound = run(bound_of(case), on=False)
