@@ -12,7 +12,8 @@ before the forward and presented to the recompute, and what the recompute itself
 changes is applied on top of what the forward left, as the two eager runs of
 plain torch leave it: a counter bumped once in each ends two higher. State that
 cannot be put back this way (a list a traced hook appends to) is not: its
-recompute compiles again, as it did before (fuzzer seed 10638, open).
+recompute compiles again; under ``fail_on_recompile``, where it could not, it runs
+what its forward ran (``_compat.dynamo.misses_decided``, fuzzer seed 10638).
 """
 
 from __future__ import annotations
