@@ -789,7 +789,10 @@ def lookups_in_order(
         import torch.nn as nn
 
         streak: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-        decided_at: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+        decided_at: weakref.WeakKeyDictionary[Any, tuple[dict[str, int], dict[str, int]]] = (
+            weakref.WeakKeyDictionary()
+        )
+        recomputed: weakref.WeakSet[Any] = weakref.WeakSet()  # keys whose last recompute made an entry
         storm: list[str] = []  # the frame that recompiled at every call, once the region settled
 
         def sharer(args: tuple[Any, ...]) -> Any:
@@ -817,8 +820,9 @@ def lookups_in_order(
                 every = bool(at) and at != [frame_fn.__code__.co_name]
                 eager = every or (bool(at) and _no_entry_at_limit(frame_fn, args, kwargs, limit))
             if not eager:
-                with suppress(TypeError):
-                    decided_at[sharer(args)] = dict(counts)
+                with suppress(TypeError):  # this decision's counts, and the one's before
+                    block = sharer(args)
+                    decided_at[block] = (decided_at.get(block, ({}, {}))[1], dict(counts))
                 if state is not None:
                     with suppress(TypeError):
                         noted[frame] = state.note(args, sum(n for _, n in counts), entries_made())
@@ -832,11 +836,14 @@ def lookups_in_order(
             # The recompute meets the guarded scalars its forward saw (``state``): a forward that
             # bumped ``self.calls`` no longer sends it to a graph of its own (fuzzer seed 10090).
             restore = None if state is None else state.present(noted.pop(frame, []), entries_made())
+            before = entries_made()
             try:
                 return compiled(*args, **kwargs)
             finally:
                 if restore is not None:
                     restore()
+                if entries_made() != before:  # counted with the block's next forward (the watchdog)
+                    recomputed.update((sharer(args), frame_fn))
 
         def forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             before = entries_made()
@@ -850,10 +857,12 @@ def lookups_in_order(
             # region from its next call (one that stops compiling hands the new values to the
             # next block called: seed 18560). Its recompute runs what this forward ran.
             made, block = entries_made() != before, sharer(args)
-            for key in {block, frame_fn}:
-                streak[key] = streak.get(key, 0) + 1 if made else 0
+            for key in {block, frame_fn}:  # this forward, or the recompute of the one before
+                again = key in recomputed
+                recomputed.discard(key)
+                streak[key] = streak.get(key, 0) + 1 if made or again else 0
             if not storm and max(streak[block], streak[frame_fn]) >= STORM_CALLS:
-                was = decided_at.get(block, {})  # named: the last frame that grew in this call
+                was = decided_at.get(block, ({}, {}))[0]  # named: the last frame that grew since
                 grew = [name for name, n in backends.entry_counts(frame_fn) if n > was.get(name, 0)]
                 storm.append(grew[-1] if grew else frame_fn.__code__.co_name)
                 _regions_settled[0] += 1

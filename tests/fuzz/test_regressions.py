@@ -520,3 +520,35 @@ FULLGRAPH_OVER_REAL_UNITS_IN_A_CALL_CHECKPOINT = Case(
 
 def test_fullgraph_over_real_units_trains_as_plain_torch_without_fullgraph() -> None:
     assert _differences(FULLGRAPH_OVER_REAL_UNITS_IN_A_CALL_CHECKPOINT) == []
+
+
+# Found by this stop's long run on an intermediate commit (seed 20138; passed on the stop's start
+# code): a traced hook appending to a list added after `fail_on_recompile` was lifted, full AC,
+# each block compiled on its own. The forwards fit their graphs; each recompute (the list one
+# longer) made an entry. The region's watchdog, counting only entries made in forwards, never
+# fired: a frame converted in the steady state (plain torch: none). A recompute's entry now
+# counts with its block's next forward.
+RECOMPUTE_STORM = Case(
+    seed=20138,
+    layers=2,
+    value_type="enum",
+    value_place="private",
+    values_differ=True,
+    brk="disabled-call",
+    break_at="middle",
+    ac="full",
+    form="torch.compile(block)",
+    fullgraph=False,
+    strategy="hoist",
+    decorator="computing",
+    lengths="dynamic=True",
+    recompile_limit=None,
+    steps=4,
+    events=((2, "fail-on-recompile", 0, False, ""), (3, "hook-add", 0, True, "forward")),
+    hook_style="traced-list",
+    call_path="helper",
+)
+
+
+def test_a_storm_in_the_recompute_alone_is_settled() -> None:
+    assert _differences(RECOMPUTE_STORM) == []
