@@ -782,10 +782,11 @@ def lookups_in_order(
             weakref.WeakKeyDictionary()
         )  # per checkpoint: its forward's
         # The steady-state watchdog: the region's forwards in a row that made dynamo make an
-        # entry (or whose recompute before did), for the region and per block it runs. Blocks of one kind share the region's
-        # code and their calls interleave: one block's call may fit the entry another's made
-        # for the value both now hold (``self.calls``, bumped in each once per step: fuzzer
-        # seed 18560), so the region makes entries at one call of three, each step's first.
+        # entry (or whose recompute before did), for the region and per block it runs. Blocks
+        # of one kind share the region's code and their calls interleave: one block's call may
+        # fit the entry another's made for the value both now hold (``self.calls``, bumped in
+        # each once per step: fuzzer seed 18560), so the region makes entries at one call of
+        # three, each step's first.
         import torch.nn as nn
 
         streak: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()

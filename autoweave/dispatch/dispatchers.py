@@ -325,9 +325,9 @@ class _Dispatcher:
         behaviour, with one warning naming it. A call in which one of its woven regions settled
         its own storm (``_compat.dynamo.lookups_in_order``: finer, its blocks eager under their
         checkpoints, as plain torch runs them) does not count (fuzzer seed 18560: settled here
-        instead, plain torch.compile's frames compiled again after warm-up). Settled at the entry of a later forward, never
-        between a forward and its recompute (which must run what the forward ran), as a
-        re-plan is (``_on_hidden_fallback``).
+        instead, plain torch.compile's frames compiled again after warm-up). Settled at the
+        entry of a later forward, never between a forward and its recompute (which must run
+        what the forward ran), as a re-plan is (``_on_hidden_fallback``).
         """
         # Not under ``fail_on_recompile``: plain torch.compile's frames, converted again once
         # settled, would raise there, and no woven region compiles under it (a call none of its
