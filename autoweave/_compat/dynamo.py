@@ -781,19 +781,19 @@ def lookups_in_order(
         noted: weakref.WeakKeyDictionary[Any, Any] = (
             weakref.WeakKeyDictionary()
         )  # per checkpoint: its forward's
-        # The steady-state watchdog: the region's forwards in a row that made dynamo make an
-        # entry (or whose recompute before did), for the region and per block it runs. Blocks
-        # of one kind share the region's code and their calls interleave: one block's call may
-        # fit the entry another's made for the value both now hold (``self.calls``, bumped in
-        # each once per step: fuzzer seed 18560), so the region makes entries at one call of
-        # three, each step's first.
+        # The steady-state watchdog: per block the region runs, its calls in a row (a forward
+        # and its recompute, one cycle) that made dynamo make an entry. Per block, not per
+        # region: blocks guarded on their identity each make entries at their first calls, and
+        # counted together a region of three looked like a storm in warm-up (accelerate 1.15).
+        # Blocks of one kind that share a counter's values are caught by the one that makes
+        # the entry each step (fuzzer seed 18560); settled, the whole region is.
         import torch.nn as nn
 
-        streak: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        streak: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # closed cycles
+        made_in: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()  # the open one
         decided_at: weakref.WeakKeyDictionary[Any, tuple[dict[str, int], dict[str, int]]] = (
             weakref.WeakKeyDictionary()
         )
-        recomputed: weakref.WeakSet[Any] = weakref.WeakSet()  # keys whose last recompute made an entry
         storm: list[str] = []  # the frame that recompiled at every call, once the region settled
 
         def sharer(args: tuple[Any, ...]) -> Any:
@@ -843,30 +843,37 @@ def lookups_in_order(
             finally:
                 if restore is not None:
                     restore()
-                if entries_made() != before:  # counted with the block's next forward (the watchdog)
-                    recomputed.update((sharer(args), frame_fn))
+                if entries_made() != before:  # in its forward's cycle (seed 20138)
+                    watch(sharer(args), True)
+
+        def watch(block: Any, made: bool, opens: bool = False) -> None:
+            # A forward opens its block's cycle (closing the one before), its recompute joins
+            # it. A block that made an entry in each of its last STORM_CALLS cycles (an int
+            # attribute bumped per call, a hook's list one longer at each recompute) would
+            # recompile up to the limit, step after step, where plain torch runs it eager under
+            # its checkpoint and compiles nothing: every block of the region runs eager from
+            # its next forward (one that stops compiling hands the new values to the next block
+            # called: seed 18560), settled as this call returns, before a module's watchdog
+            # (which would settle coarser, into plain torch.compile) reads it. A recompute runs
+            # what its forward ran.
+            with suppress(TypeError):
+                if opens:
+                    closed = made_in.pop(block, None)
+                    if closed is not None:
+                        streak[block] = streak.get(block, 0) + 1 if closed else 0
+                elif made_in.get(block, True):
+                    return  # this cycle counted already (or none is open)
+                made_in[block] = made
+                if made and not storm and streak.get(block, 0) + 1 >= STORM_CALLS:
+                    was = decided_at.get(block, ({}, {}))[0]  # named: the last frame that grew since
+                    grew = [name for name, n in backends.entry_counts(frame_fn) if n > was.get(name, 0)]
+                    storm.append(grew[-1] if grew else frame_fn.__code__.co_name)
+                    _regions_settled[0] += 1
 
         def forward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             before = entries_made()
             out = compiled(*args, **kwargs)
-            # The steady-state watchdog: a region that made dynamo make an entry at each of its
-            # last STORM_CALLS calls, or at each of one block's (an int attribute bumped per
-            # call, a hook appending to a list), would recompile up to the limit, step after
-            # step, where plain torch runs its blocks eager under their checkpoints and compiles
-            # nothing: settled as this call returns (before a module's watchdog, which would
-            # settle the module coarser, into plain torch.compile, reads it), every block of the
-            # region from its next call (one that stops compiling hands the new values to the
-            # next block called: seed 18560). Its recompute runs what this forward ran.
-            made, block = entries_made() != before, sharer(args)
-            for key in {block, frame_fn}:  # this forward, or the recompute of the one before
-                again = key in recomputed
-                recomputed.discard(key)
-                streak[key] = streak.get(key, 0) + 1 if made or again else 0
-            if not storm and max(streak[block], streak[frame_fn]) >= STORM_CALLS:
-                was = decided_at.get(block, ({}, {}))[0]  # named: the last frame that grew since
-                grew = [name for name, n in backends.entry_counts(frame_fn) if n > was.get(name, 0)]
-                storm.append(grew[-1] if grew else frame_fn.__code__.co_name)
-                _regions_settled[0] += 1
+            watch(sharer(args), entries_made() != before, opens=True)
             return out
 
         # Per checkpoint, under ``fail_on_recompile``: the code of each frame its forward ran

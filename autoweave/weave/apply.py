@@ -353,7 +353,7 @@ def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any])
         # ``storm``: not at the limit yet, but it compiled again at every call (the watchdog).
         runs = "from this call on, every call" if every else "a call none of its graphs fits"
         where = (
-            f"compiled again at each of its (or one block's) last {_compat.dynamo.STORM_CALLS} calls (frame {frame})"
+            f"compiled again at each of one block's last {_compat.dynamo.STORM_CALLS} calls (frame {frame})"
             if storm
             else f"is at dynamo's recompile limit (frame {frame})"
         )

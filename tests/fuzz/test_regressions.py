@@ -457,7 +457,7 @@ def test_an_unlocated_fallback_is_learned_once() -> None:
 # region's watchdog, reading the region's entries at each of its calls, never saw a storm, and the
 # module's settled it into plain torch.compile, whose frames then compiled at every call after
 # warm-up (plain torch: none), 5x plain torch's memory (496 KB vs 93 KB). Fixed: the region's
-# watchdog also counts per block (each step's first block made an entry at each of its calls),
+# watchdog counts per block (each step's first block made an entry at each of its calls),
 # settles every block of the region, and settles as the call returns, before the module's reads
 # it. Fails with the region's watchdog counting per region only (501 KB), or deciding at the
 # next call's entry (437-499 KB: the module's fired first).
