@@ -826,7 +826,9 @@ def lookups_in_order(
                     decided_at[block] = (decided_at.get(block, ({}, {}))[1], dict(counts))
                 if state is not None:
                     with suppress(TypeError):
-                        noted[frame] = state.note(args, sum(n for _, n in counts), entries_made())
+                        noted[frame] = state.note(
+                            (*args, *kwargs.values()), sum(n for _, n in counts), entries_made()
+                        )
             if eager and on_limit is not None:
                 on_limit(storm[0] if storm else at[-1], every, bool(storm))
             with suppress(TypeError):

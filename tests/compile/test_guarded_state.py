@@ -90,3 +90,35 @@ def test_the_recompute_is_presented_the_forwards_guarded_values(monkeypatch: pyt
     restore()
     # A counter: bumped once more; a flag or a name the recompute set: as it set them.
     assert (module.calls, module.ready, module.load, module.name) == (2, True, 0.5, "c")
+
+
+class _Slot:
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+
+
+class _Slotted:
+    __slots__ = ("keys",)  # no __dict__: not a holder
+
+
+class _Lazy:
+    def __getattr__(self, name: str):  # never run by the walk
+        raise RuntimeError(f"read {name}")
+
+
+def test_plain_objects_the_arguments_hold_are_presented_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache made per call (transformers' DynamicCache): its slot, empty in the forward, stays so for the recompute."""
+    from autoweave import _compat
+
+    monkeypatch.setattr(_compat.backends, "guarded_attributes", lambda fn: frozenset({"keys"}))
+    cache = [_Slot(), _Slot()]
+    state = GuardedState(lambda: None)
+    noted = state.note((torch.ones(1), (cache, _Slotted(), _Lazy())), entries=0, made=0)
+    filled = torch.ones(2)
+    cache[0].keys = filled  # the forward
+    restore = state.present(noted, made=1)
+    assert cache[0].keys is None and cache[1].keys is None
+    again = torch.zeros(2)
+    cache[0].keys = again  # the recompute
+    restore()
+    assert cache[0].keys is again  # not a number: as the recompute left it

@@ -17,6 +17,7 @@ import functools
 import io
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -85,6 +86,10 @@ class Case:
     stat_gate: bool = False  # a gate whose output only feeds ``.item()`` (its grad stays None)
     autocast: bool = False  # every forward under ``torch.autocast("cpu", dtype=torch.bfloat16)``
     parallel: str = "none"  # ``PARALLEL``
+    # transformers' ``DynamicCache`` as a training forward meets it (``use_cache`` on): made per
+    # call, each layer fills its slot, guarded on the slot being empty; a recompute finds it
+    # filled (CI on 3cc1360: accelerate 1.15, Qwen3-MoE).
+    cache: bool = False
 
     def describe(self) -> str:
         fields = dataclasses.asdict(self)
@@ -156,7 +161,11 @@ def _grown(case: Case, rng: random.Random) -> Case:
         counter=rng.random() < 0.25,
         stat_gate=rng.random() < 0.3,
         autocast=rng.random() < 0.2,
-        parallel=rng.choice(PARALLEL),  # drawn last: every earlier choice of a seed is unchanged
+        parallel=rng.choice(PARALLEL),
+        # Drawn last: every earlier choice of a seed is unchanged. Not under selective AC: its
+        # recompute meets the slot filled, runs a ``cat`` its forward did not, and plain torch
+        # raises (a case that compares nothing).
+        cache=rng.random() < 0.25 and not ac.startswith("selective"),
     )
 
 
@@ -220,6 +229,22 @@ class Experts(nn.Module):
         return torch.relu(x @ self.w)
 
 
+class _Slot:
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+
+
+class LayerCache:
+    """transformers' ``DynamicCache`` in a training forward: one slot per layer, filled on its first update."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = [_Slot() for _ in range(layers)]
+
+    def update(self, index: int, keys: torch.Tensor) -> None:
+        slot = self.layers[index]
+        slot.keys = keys if slot.keys is None else torch.cat([slot.keys, keys])
+
+
 class FuzzBlock(nn.Module):
     """``q``, the break, ``experts``, ``out``; the per-layer value is read between ``q`` and the rest."""
 
@@ -231,6 +256,7 @@ class FuzzBlock(nn.Module):
         self.call_path = case.call_path
         self.counter = case.counter
         self.calls = 0
+        self.layer_idx = index
         self.q = nn.Linear(DIM, DIM)
         self.experts = Experts()
         if case.call_path == "container":
@@ -271,7 +297,7 @@ class FuzzBlock(nn.Module):
         # A helper method the forward calls (``call_path="helper"``), as blocks write ``self.ffn(h)``.
         return self.out(h)
 
-    def forward(self, x: torch.Tensor, value: object = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, value: object = None, cache: LayerCache | None = None) -> torch.Tensor:
         if self.counter:
             self.calls += 1
         if self.place == "public":
@@ -281,7 +307,10 @@ class FuzzBlock(nn.Module):
         h = self._at("first", x)
         if self.gate is not None:  # a router statistic read on the host: a break; the gate reaches only it
             self.load = self.gate(h).softmax(-1).max().item()
-        h = self._at("middle", _apply_value(self.q(h), value))
+        h = _apply_value(self.q(h), value)
+        if cache is not None:
+            cache.update(self.layer_idx, h)
+        h = self._at("middle", h)
         if self.call_path == "container":
             projected = self.post["proj"](h)
         elif self.call_path == "helper":
@@ -316,8 +345,8 @@ class CheckpointingBlock(nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, x: torch.Tensor, value: object = None) -> torch.Tensor:
-        return torch_checkpoint.checkpoint(self.inner, x, value, use_reentrant=False)
+    def forward(self, x: torch.Tensor, value: object = None, **cache: Any) -> torch.Tensor:
+        return torch_checkpoint.checkpoint(self.inner, x, value, use_reentrant=False, **cache)
 
 
 class CallCheckpointing(nn.Module):
@@ -367,11 +396,12 @@ class FuzzModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
+        cache = {"cache": LayerCache(len(self.layers))} if self.case.cache else {}
         for i, layer in enumerate(self.layers):
             if self.case.value_place == "argument":
-                h = layer(h, layer_value(self.case, i))
+                h = layer(h, layer_value(self.case, i), **cache)
             else:
-                h = layer(h)
+                h = layer(h, **cache)
         return self.head(h)
 
 

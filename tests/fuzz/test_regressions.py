@@ -552,3 +552,35 @@ RECOMPUTE_STORM = Case(
 
 def test_a_storm_in_the_recompute_alone_is_settled() -> None:
     assert _differences(RECOMPUTE_STORM) == []
+
+
+# Found by the grammar's `cache` (grown from CI on 3cc1360, transformers' DynamicCache in a
+# training forward) on its first draws (seed 30089, events and hooks dropped): full AC, each
+# block compiled, a float per layer (dynamic by the second layer), a cache made per forward whose
+# slot each layer fills. The forward's graph is guarded on the slot being empty; its recompute
+# found it filled, fit none of the entries, and compiled a graph that saved other tensors:
+# CheckpointError where plain torch trains. `guarded_state` now presents to the recompute the
+# forward's values on the plain objects the call's arguments hold, as on its modules.
+CACHE_SLOT_FILLED_BY_THE_FORWARD = Case(
+    seed=30089,
+    layers=2,
+    value_type="float",
+    value_place="public",
+    values_differ=True,
+    brk="fsdp-unit",
+    break_at="last",
+    ac="full",
+    form="block.compile()",
+    fullgraph=False,
+    strategy="hoist",
+    decorator="none",
+    lengths="static",
+    recompile_limit=None,
+    steps=3,
+    events=(),
+    cache=True,
+)
+
+
+def test_a_cache_slot_the_forward_fills_does_not_break_the_recompute() -> None:
+    assert _differences(CACHE_SLOT_FILLED_BY_THE_FORWARD) == []
