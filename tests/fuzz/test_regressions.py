@@ -584,3 +584,33 @@ CACHE_SLOT_FILLED_BY_THE_FORWARD = Case(
 
 def test_a_cache_slot_the_forward_fills_does_not_break_the_recompute() -> None:
     assert _differences(CACHE_SLOT_FILLED_BY_THE_FORWARD) == []
+
+
+# Found by this stop's long run (seed 31002, on the start code too): selective AC saving
+# nothing, a whole-model compile, two steps under `force_eager`, then the fuzzer's step under
+# saved-tensor hooks. A pieces block measures its first call with grad; the eager steps passed,
+# the hooked one ended the wait unmeasured, and pieces held 76 KB against plain torch's 63 KB
+# from then on. A call under the user's hooks now passes too (up to 3), and the next is measured.
+HOOKED_STEP_BEFORE_THE_MEASURE = Case(
+    seed=31002,
+    layers=2,
+    value_type="str",
+    value_place="public",
+    values_differ=True,
+    brk="print",
+    break_at="first",
+    ac="selective-nothing",
+    form="model.compile()",
+    fullgraph=False,
+    strategy="auto",
+    decorator="computing",
+    lengths="static",
+    recompile_limit=None,
+    steps=3,
+    events=((1, "force-eager", 0, False, ""), (2, "force-eager", 1, False, "")),
+    call_path="helper",
+)
+
+
+def test_a_hooked_step_does_not_end_the_wait_for_the_memory_measure() -> None:
+    assert _differences(HOOKED_STEP_BEFORE_THE_MEASURE) == []
