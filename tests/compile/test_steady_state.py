@@ -121,46 +121,34 @@ def test_a_fallback_the_plan_cannot_remove_is_learned_once() -> None:
 
 
 # A warm-up is not a storm (CI on 3cc1360: accelerate 1.15's layer unit inside its checkpoint
-# wrapper, transformers' Qwen3-MoE). Each layer writes its slot of a cache made per forward
-# (transformers' ``DynamicCache``, on by default in training): the forward is guarded on the
-# slot being empty, its recompute finds it filled and makes an entry of its own, once; the
-# layers' ``layer_idx`` differ, so the first ones make entries too. Counted per region and a
-# recompute apart from its forward, three warm-up entries in a row looked like a storm and the
-# layers ran eager from step 2. The watchdog counts per block, a forward and its recompute as
-# one call.
-class _Slot:
-    def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-
-
-class _Cache:
-    def __init__(self, layers: int) -> None:
-        self.layers = [_Slot() for _ in range(layers)]
-
-
-class CachingLayer(nn.Module):
+# wrapper, transformers' Qwen3-MoE, whose DynamicCache slot, empty in each layer's forward, is
+# filled in its recompute). Here each layer notes its index in a list made per forward (state
+# the recompute cannot be presented as its forward saw it, unlike a slot: ``guarded_state``):
+# each forward is guarded on the list's length, a new one per layer, and each recompute, finding
+# it longer, makes an entry of its own, once. Counted per region and a recompute apart from its
+# forward, three warm-up entries in a row looked like a storm and the layers ran eager from then
+# on. The watchdog counts per block, a forward and its recompute as one call.
+class NotingLayer(nn.Module):
     def __init__(self, idx: int) -> None:
         super().__init__()
         self.layer_idx = idx
         self.inp = nn.Linear(DIM, DIM)
         self.out = nn.Linear(DIM, DIM)
 
-    def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
-        h = self.inp(x)
-        slot = cache.layers[self.layer_idx]
-        slot.keys = h if slot.keys is None else torch.cat([slot.keys, h])
-        return x + self.out(torch.relu(h))
+    def forward(self, x: torch.Tensor, seen: list[int]) -> torch.Tensor:
+        seen.append(self.layer_idx)
+        return x + self.out(torch.relu(self.inp(x)))
 
 
-class CachingModel(nn.Module):
+class NotingModel(nn.Module):
     def __init__(self, layers: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(checkpoint_wrapper(CachingLayer(i)) for i in range(layers))
+        self.layers = nn.ModuleList(checkpoint_wrapper(NotingLayer(i)) for i in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cache = _Cache(len(self.layers))
+        seen: list[int] = []
         for layer in self.layers:
-            x = layer(x, cache)
+            x = layer(x, seen)
         return x
 
 
@@ -184,7 +172,7 @@ def test_warm_up_entries_of_a_forward_and_its_recompute_are_not_a_storm(fake_mes
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model, x = CachingModel(3), torch.randn(4, DIM)
+    model, x = NotingModel(3), torch.randn(4, DIM)
     for layer in model.layers:  # accelerate 1.15's regional compile, then the layer's own unit
         layer.compile(backend="aot_eager")
         fully_shard(layer._checkpoint_wrapped_module, mesh=fake_mesh)
