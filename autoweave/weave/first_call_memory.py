@@ -167,7 +167,8 @@ class FirstCall:
             or _compat.dynamo.eager_stance() is not None
         ):
             return self.forward(*args, **kwargs)
-        if _compat.checkpoints.saved_tensors_hooks_active():
+        hooked = _compat.checkpoints.saved_tensors_hooks_active()
+        if hooked:
             # The user's hooks (offloading, say) or an eager checkpoint around the call: ours
             # would shadow them. Such a call passes too, as long as a later one may come
             # without (one step under hooks: fuzzer seed 31002, whose next calls kept pieces
@@ -177,7 +178,7 @@ class FirstCall:
             if self.hooked < HOOKED_CALLS:
                 return self.forward(*args, **kwargs)
         self.finished = True
-        if _compat.checkpoints.saved_tensors_hooks_active():
+        if hooked:
             out = self.forward(*args, **kwargs)
             [elsewhere] = self.agree([False])
             self._learn(Verdict(None, None, elsewhere=True) if elsewhere else None)

@@ -51,7 +51,7 @@ def _holders(args: Iterable[Any], fn: Callable[..., Any]) -> list[Any]:
             if isinstance(owner, nn.Module):
                 roots.append(owner)
     held: list[Any] = [m for root in roots for m in root.modules()]
-    _objects([a for a in args if not isinstance(a, nn.Module)], held, {id(h) for h in held}, _DEPTH)
+    _objects(args, held, {id(h) for h in held}, _DEPTH)  # modules among them are skipped
     return held
 
 
@@ -105,12 +105,15 @@ class GuardedState:
         all scalars are noted. ``made``: dynamo's count of entries made (``entries_made``),
         whose change says the guards may have changed.
         """
-        modules = _holders(args, self._fn)
         if entries == 0:
-            return [(m, {k: v for k, v in m.__dict__.items() if isinstance(v, _SCALARS)}) for m in modules]
+            return [
+                (m, {k: v for k, v in m.__dict__.items() if isinstance(v, _SCALARS)})
+                for m in _holders(args, self._fn)
+            ]
         names = self._guarded(made)
-        if not names:
+        if not names:  # no walk of the arguments on a call whose region guards on no attribute
             return []
+        modules = _holders(args, self._fn)
         return [
             (m, {k: v for k in names if isinstance(v := m.__dict__.get(k, _MISSING), _SCALARS)})
             for m in modules
