@@ -614,3 +614,47 @@ HOOKED_STEP_BEFORE_THE_MEASURE = Case(
 
 def test_a_hooked_step_does_not_end_the_wait_for_the_memory_measure() -> None:
     assert _differences(HOOKED_STEP_BEFORE_THE_MEASURE) == []
+
+
+# Found by the last stop's long run (seeds 30054, 30062, 30144, 31089; the fuzzer's own, on
+# earlier code too): `fullgraph=True` over real FSDP2 units, a `.item()` of the user's under a
+# dynamic length, a checkpoint around `__call__`. Plain torch raises `Unsupported` at the
+# layers' FSDP2 hooks; autoweave compiles around them by design and raises at the `.item()`
+# what plain `fullgraph=True` raises there (dynamo's `UserError`: a guard on a data-dependent
+# value), the reference now plain torch on the same blocks without FSDP2. And that error came
+# after FSDP2's pre-forward ran: the traceback's tensors (C++ autograd nodes) held FSDP2's state,
+# so the collector freed the model in its second pass, where the fuzzer looked after one.
+USER_BREAK_PAST_THE_UNITS_UNDER_FULLGRAPH = Case(
+    seed=31089,
+    layers=3,
+    value_type="bool",
+    value_place="argument",
+    values_differ=False,
+    brk="item",
+    break_at="last",
+    ac="checkpoint-in-call",
+    form="torch.compile(model)",
+    fullgraph=True,
+    strategy="hoist",
+    decorator="none",
+    lengths="mark_dynamic",
+    recompile_limit=None,
+    steps=4,
+    events=(),
+    call_path="helper",
+    parallel="fsdp-mp",
+)
+
+
+def test_a_users_break_past_the_units_under_fullgraph_raises_as_plain_fullgraph() -> None:
+    plain = differential.run(USER_BREAK_PAST_THE_UNITS_UNDER_FULLGRAPH, on=False)
+    woven = differential.run(USER_BREAK_PAST_THE_UNITS_UNDER_FULLGRAPH, on=True)
+    assert plain.error == (0, "Unsupported") and woven.error == (0, "UserError")
+    reference = differential.reference(USER_BREAK_PAST_THE_UNITS_UNDER_FULLGRAPH, plain, woven)
+    assert reference.error == woven.error
+    assert (
+        differential.differences(
+            USER_BREAK_PAST_THE_UNITS_UNDER_FULLGRAPH, reference, woven, differential.Outcome()
+        )
+        == []
+    )
