@@ -61,6 +61,29 @@ def compile_backend(
     return find("torch._TorchCompileWrapper")(backend, mode, options, dynamic)
 
 
+# What each autotuning mode is without its autotuning: its other options kept (CUDA graphs).
+_UNTUNED_MODES = {"max-autotune": "reduce-overhead", "max-autotune-no-cudagraphs": "default"}
+_AUTOTUNE_OPTIONS = ("max_autotune", "max_autotune_gemm", "max_autotune_pointwise")
+
+
+def untuned_backend(kwargs: dict[str, Any]) -> Any:
+    """What ``torch.compile(**kwargs)`` would build without inductor's autotuning; None if none is asked.
+
+    Autotuning compiles kernels and templates the default mode never builds, and may
+    raise where the default mode compiles (an MoE's experts on an H200 under
+    ``max-autotune-no-cudagraphs``, issue 41): a region's graph is then compiled untuned.
+    """
+    backend, mode, options = kwargs.get("backend", "inductor"), kwargs.get("mode"), kwargs.get("options")
+    if backend not in (None, "inductor"):
+        return None
+    if mode in _UNTUNED_MODES:
+        return compile_backend(backend, _UNTUNED_MODES[mode], None, kwargs.get("dynamic"), kwargs.get("name"))
+    if not isinstance(options, dict) or not any(options.get(k) for k in _AUTOTUNE_OPTIONS):
+        return None
+    kept = {k: v for k, v in options.items() if k not in (*_AUTOTUNE_OPTIONS, "guard_filter_fn")}
+    return compile_backend(backend, None, kept or None, kwargs.get("dynamic"), kwargs.get("name"))
+
+
 class ForwardsToInner:
     """What a backend wrapping ``inner`` must hand on so dynamo treats ``inner`` as it would alone.
 

@@ -978,6 +978,12 @@ def backend_errors_dynamo_handles() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+def backend_failed() -> tuple[type[BaseException], ...]:
+    """A backend's own compile failure, as dynamo's backends raise it (inductor: ``InductorError``)."""
+    found = find_optional("torch._dynamo.exc.BackendCompilerFailed")
+    return () if found is None else (found,)
+
+
 @functools.cache
 def convert_frame_call_code() -> Any:
     """The code of dynamo's ``ConvertFrame.__call__`` (None where it moved)."""

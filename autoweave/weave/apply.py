@@ -46,7 +46,8 @@ def _backend_kwargs(
     as asked, without fail-open or observers; pieces cannot do without it: raised.
     """
     try:
-        wrap = functools.partial(RegionBackend, label=label, checkpoint_fn=pieces_fn)
+        untuned = _compat.backends.untuned_backend(kwargs)
+        wrap = functools.partial(RegionBackend, label=label, checkpoint_fn=pieces_fn, untuned=untuned)
         region_kw = _compat.backends.wrap_backend(kwargs, wrap)
     except _compat.lookup.UnsupportedTorch as exc:
         if pieces_fn is not None:

@@ -461,9 +461,14 @@ class CompiledGraph:
 class RegionBackend(_compat.backends.ForwardsToInner):
     """The backend of one kind of woven region (see the module docstring)."""
 
-    def __init__(self, inner: Callable[..., Any], label: str, checkpoint_fn: Any = None) -> None:
+    def __init__(
+        self, inner: Callable[..., Any], label: str, checkpoint_fn: Any = None, untuned: Any = None
+    ) -> None:
         super().__init__(inner)
         self.label = label
+        # The inner backend without inductor's autotuning, where the user asked for it: a graph
+        # the tuned backend fails on is compiled with this one (``_compat.backends.untuned_backend``).
+        self.untuned = untuned
         # Told before each graph dynamo hands this backend (``shared_kinds`` reads the kind's
         # guards then): nothing runs on a call that compiles nothing.
         self.before_graph: list[Callable[[], None]] = []
@@ -508,25 +513,52 @@ class RegionBackend(_compat.backends.ForwardsToInner):
 
     def _compile(self, gm: Any, example_inputs: Any) -> Any:
         try:
-            if self.pieces is not None:
-                compiled = self.pieces.compile(gm, example_inputs, self.inner)
-            else:
-                compiled = self.inner(gm, example_inputs)
-            return keep_none_grads(compiled, gm, example_inputs)
-        except _compat.dynamo.backend_errors_dynamo_handles():
-            raise  # a restart, a skip, a graph break, a dim error of the user's: dynamo's to act on
+            return self._compile_with(self.inner, gm, example_inputs)
+        except _compat.dynamo.backend_errors_dynamo_handles() as exc:
+            # A restart, a skip, a graph break, a dim error of the user's: dynamo's to act on.
+            # But inductor's own failure (``InductorError``) under autotuning: compiled untuned.
+            if self.untuned is None or not isinstance(exc, _compat.dynamo.backend_failed()):
+                raise
+            failed: Exception = exc
         except Exception as exc:
-            why = first_line(exc)
-            swallowed(
-                "graph-eager",
-                f"graph:{why}",
-                f"the backend {self.__name__!r} failed on a graph of the woven region {self.label} ({why}); "
-                "that graph runs eager, the rest stays compiled",
-                exc,
-            )
-            forward = gm.forward
+            if self.untuned is None:
+                return self._eager(gm, exc)
+            failed = exc
+        try:
+            compiled = self._compile_with(self.untuned, gm, example_inputs)
+        except Exception:
+            if isinstance(failed, _compat.dynamo.backend_errors_dynamo_handles()):
+                raise failed from None
+            return self._eager(gm, failed)
+        # Plain torch prints nothing here (it runs the checkpointed block eager): no warning of
+        # ours either. Counted in the report, said in the plan summary, raised in strict mode.
+        note = f"a graph compiled without autotuning: the backend raised under it ({first_line(failed)})"
+        swallowed("graph-untuned", f"untuned:{self.label}", f"{self.label}: {note}", failed, quiet=True)
+        notes = run.region_notes.setdefault(self.label, [])
+        if note not in notes:
+            notes.append(note)
+        return compiled
 
-            def eager(*args: Any) -> Any:
-                return forward(*args)
+    def _compile_with(self, backend: Any, gm: Any, example_inputs: Any) -> Any:
+        if self.pieces is not None:
+            compiled = self.pieces.compile(gm, example_inputs, backend)
+        else:
+            compiled = backend(gm, example_inputs)
+        return keep_none_grads(compiled, gm, example_inputs)
 
-            return runs_eager(eager, f"the backend failed on it ({why})")
+    def _eager(self, gm: Any, exc: Exception) -> Any:
+        """A graph the backend failed on, run eager (the rest of the region stays compiled)."""
+        why = first_line(exc)
+        swallowed(
+            "graph-eager",
+            f"graph:{why}",
+            f"the backend {self.__name__!r} failed on a graph of the woven region {self.label} ({why}); "
+            "that graph runs eager, the rest stays compiled",
+            exc,
+        )
+        forward = gm.forward
+
+        def eager(*args: Any) -> Any:
+            return forward(*args)
+
+        return runs_eager(eager, f"the backend failed on it ({why})")
