@@ -20,30 +20,16 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
 from autoweave._state import run
-from tests.break_models import fsdp_like
+from tests.break_models import PlainMoE, fsdp_like
 
 DIM = 8
 pytestmark = [pytest.mark.usefixtures("weave_on"), pytest.mark.fail_open]
 
 
-class Experts(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.w(x))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.experts = fsdp_like(Experts())
-        self.out = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.out(self.experts(self.norm(x)))
+def _block() -> nn.Module:
+    block = PlainMoE(DIM)  # norm, experts, out: the experts an FSDP-like unit, a real graph break
+    fsdp_like(block.experts)
+    return cw.checkpoint_wrapper(block)
 
 
 @pytest.fixture
@@ -69,7 +55,7 @@ def autotuning_fails(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 def _train(plain: bool, mode: str | None, strategy: str = "auto") -> list[float]:
     torch._dynamo.reset()
     torch.manual_seed(0)
-    blocks = [cw.checkpoint_wrapper(Block()) for _ in range(2)]
+    blocks = [_block() for _ in range(2)]
     x = torch.randn(4, DIM)
     with autoweave.disabled() if plain else contextlib.nullcontext():
         if not plain:
