@@ -430,13 +430,17 @@ def reference(case: Case, plain: Outcome, woven: Outcome) -> Outcome:
     raised = plain.error is not None and plain.error[0] == 0 and "Unsupported" in plain.error_bases
     if units_only and raised and woven.error is None:
         return run(dataclasses.replace(case, fullgraph=False), on=False)
-    # The same, with a break of the user's own: past FSDP2's hooks autoweave meets the user's
-    # break and raises as plain ``fullgraph=True`` raises there, which plain torch shows on the
-    # same blocks without FSDP2 (seeds 30062, 30144, 31089: dynamo's ``UserError`` at a
-    # ``.item()`` under a dynamic length, where plain raised ``Unsupported`` at FSDP2's hooks).
-    units = case.fullgraph and case.parallel == "fsdp-mp" and case.brk != "fsdp-unit"
+    # And where autoweave raised too: past FSDP2's hooks it met an error of the user's code,
+    # which plain torch raises once those hooks are out of its way: on the same blocks without
+    # FSDP2 (seeds 30062, 30144, 31089: plain ``fullgraph=True``'s ``UserError`` at a ``.item()``
+    # under a dynamic length), or without ``fullgraph`` (seed 30363: a float tensor met FSDP2's
+    # bf16 parameters, ``RuntimeError``, as plain torch without ``fullgraph`` raises it).
+    units = case.fullgraph and case.parallel == "fsdp-mp"
     if units and raised and woven.error is not None and woven.error[0] == 0:
-        return run(dataclasses.replace(case, parallel="none"), on=False)
+        for variant in ({"parallel": "none"}, {"fullgraph": False}):
+            other = run(dataclasses.replace(case, **variant), on=False)
+            if other.error is not None and other.error[0] == 0 and other.error[1] in woven.error_bases:
+                return other
     return plain
 
 

@@ -658,3 +658,35 @@ def test_a_users_break_past_the_units_under_fullgraph_raises_as_plain_fullgraph(
         )
         == []
     )
+
+
+# Found by this stop's long run (seed 30363; the fuzzer's own): the same, with the user's error a
+# float tensor value meeting FSDP2's bf16 parameters (`RuntimeError`), which plain torch without
+# `fullgraph` raises at the first step; plain `fullgraph=True` raised `Unsupported` at FSDP2's hooks
+# first. The reference is now whichever of plain torch without FSDP2 or without `fullgraph`
+# raises autoweave's error at that step.
+USERS_ERROR_PAST_THE_UNITS_UNDER_FULLGRAPH = Case(
+    seed=30363,
+    layers=2,
+    value_type="tensor",
+    value_place="public",
+    values_differ=True,
+    brk="fsdp-unit",
+    break_at="last",
+    ac="selective-nothing",
+    form="torch.compile(model)",
+    fullgraph=True,
+    strategy="pieces",
+    decorator="none",
+    lengths="mark_dynamic",
+    recompile_limit=None,
+    steps=4,
+    events=((3, "freeze", 1, False, ""),),
+    hook_style="activation-stats",
+    call_path="helper",
+    parallel="fsdp-mp",
+)
+
+
+def test_a_users_error_past_the_units_under_fullgraph_is_raised_as_plain_torch_raises_it() -> None:
+    assert _differences(USERS_ERROR_PAST_THE_UNITS_UNDER_FULLGRAPH) == []
