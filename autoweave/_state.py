@@ -61,6 +61,12 @@ class RunState:
         # dispatch/dispatchers: every dispatcher alive, told to re-plan when another learns a break.
         self.live: weakref.WeakSet[Any] = weakref.WeakSet()
 
+    def note_region(self, label: str, text: str) -> None:
+        """Add ``text`` to what region ``label``'s compile had to do differently, once."""
+        notes = self.region_notes.setdefault(label, [])
+        if text not in notes:
+            notes.append(text)
+
 
 run = RunState()
 

@@ -115,9 +115,7 @@ class AtRecompileLimit:
             block.kept = True
             self._keep(block)
             for label in block.labels():
-                notes = run.region_notes.setdefault(label, [])
-                if KEPT_NOTE not in notes:
-                    notes.append(KEPT_NOTE)
+                run.note_region(label, KEPT_NOTE)
             # Said for what happened to this block: its strategy, and where its checkpoint went.
             warn_each(
                 f"recompile-limit:kept:{min(block.labels(), default='')}",

@@ -340,9 +340,7 @@ class CheckpointPieces:
     def note(self, text: str) -> None:
         """Something the plan log and the report should say about this region's pieces."""
         logger.info("%s: %s", self.label or "a woven region", text)
-        notes = run.region_notes.setdefault(self.label, [])
-        if text not in notes:
-            notes.append(text)
+        run.note_region(self.label, text)
 
     def _users(self, exc: BaseException) -> bool:
         """Was ``exc`` (or an error it was raised from) raised by the user's context_fn or policy?"""
@@ -534,9 +532,7 @@ class RegionBackend(_compat.backends.ForwardsToInner):
         # ours either. Counted in the report, said in the plan summary, raised in strict mode.
         note = f"a graph compiled without autotuning: the backend raised under it ({first_line(failed)})"
         swallowed("graph-untuned", f"untuned:{self.label}", f"{self.label}: {note}", failed, quiet=True)
-        notes = run.region_notes.setdefault(self.label, [])
-        if note not in notes:
-            notes.append(note)
+        run.note_region(self.label, note)
         return compiled
 
     def _compile_with(self, backend: Any, gm: Any, example_inputs: Any) -> Any:
