@@ -690,3 +690,36 @@ USERS_ERROR_PAST_THE_UNITS_UNDER_FULLGRAPH = Case(
 
 def test_a_users_error_past_the_units_under_fullgraph_is_raised_as_plain_torch_raises_it() -> None:
     assert _differences(USERS_ERROR_PAST_THE_UNITS_UNDER_FULLGRAPH) == []
+
+
+# Found by the last stop's long run (seed 31485; the fuzzer's own, on earlier code too):
+# `fullgraph=True` over a fake unit whose hooks plain torch refuses at once (`Unsupported`, before
+# any forward). autoweave splits there and raises its own fullgraph error after the first call
+# ran compiled (by design); that call's dynamo state held the dropped model until the caller
+# returned, as plain torch without `fullgraph` holds it. The dropped-model check now compares
+# with that run.
+FULLGRAPH_ERROR_AFTER_THE_FIRST_CALL = Case(
+    seed=31485,
+    layers=2,
+    value_type="int",
+    value_place="public",
+    values_differ=True,
+    brk="fsdp-unit",
+    break_at="middle",
+    ac="full",
+    form="block.compile()",
+    fullgraph=True,
+    strategy="auto",
+    decorator="none",
+    lengths="dynamic=True",
+    recompile_limit=2,
+    steps=4,
+    events=((2, "eval-step", 0, False, ""),),
+    hook_style="traced-list",
+    call_path="forward",
+    cache=True,
+)
+
+
+def test_a_fullgraph_error_after_the_first_call_holds_the_model_as_plain_torch_that_ran_it() -> None:
+    assert _differences(FULLGRAPH_ERROR_AFTER_THE_FIRST_CALL) == []
