@@ -143,10 +143,10 @@ def plan(
 def explain(model_or_factory: "Any", **options: "Any") -> str:
     """The plan of each block of a model built on the meta device, without compiling.
 
-    See :func:`autoweave.cli.explainer.explain` for ``ac``, ``shard``, ``recipe``,
+    See :func:`autoweave.tools.explainer.explain` for ``ac``, ``shard``, ``recipe``,
     ``mode``, ``strategy`` and ``fullgraph``.
     """
-    from autoweave.cli import explainer
+    from autoweave.tools import explainer
 
     return explainer.explain(model_or_factory, **options)
 

@@ -177,18 +177,18 @@ def _run_models() -> None:
 
 
 def _import_everything() -> None:
-    import autoweave.cli
     import autoweave.dispatch
     import autoweave.observe
     import autoweave.planning
+    import autoweave.tools
     import autoweave.weave
 
     for package in (autoweave, autoweave.planning, autoweave.weave, autoweave.observe, autoweave.dispatch):
         for info in pkgutil.iter_modules(package.__path__):
             if not info.ispkg and info.name != "__main__":
                 importlib.import_module(f"{package.__name__}.{info.name}")
-    for info in pkgutil.iter_modules(autoweave.cli.__path__):
-        importlib.import_module(f"autoweave.cli.{info.name}")
+    for info in pkgutil.iter_modules(autoweave.tools.__path__):
+        importlib.import_module(f"autoweave.tools.{info.name}")
 
 
 def _installs_now() -> list[str] | None:

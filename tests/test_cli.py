@@ -14,7 +14,7 @@ import torch.nn as nn
 import autoweave
 from autoweave import __main__ as cli
 from autoweave import _compat
-from autoweave.cli import doctor, explainer
+from autoweave.tools import doctor, explainer
 from tests.models import Block
 
 ROOT = Path(__file__).resolve().parents[1]

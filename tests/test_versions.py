@@ -18,7 +18,7 @@ import pytest
 
 from autoweave import _compat
 from autoweave._compat import version
-from autoweave.cli import doctor
+from autoweave.tools import doctor
 
 ROOT = Path(__file__).resolve().parents[1]
 LOW, HIGH = _compat.version.TESTED_TORCH

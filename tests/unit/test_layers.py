@@ -89,15 +89,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.dispatch.routes",
         "autoweave.dispatch.patches",
     ),
-    # Wiring and entry points: start-up, the command-line tools, the public API.
+    # Wiring: start-up.
+    ("autoweave.startup",),
+    # Beside the runtime, which never imports them (only the entry points above do): the tools.
     (
-        "autoweave.startup",
-        "autoweave.cli",
-        "autoweave.cli.explainer",
-        "autoweave.cli.doctor",
-        "autoweave",
-        "autoweave.__main__",
+        "autoweave.tools",
+        "autoweave.tools.explainer",
+        "autoweave.tools.doctor",
+        "autoweave.tools.commands",
     ),
+    # Entry points: the public API (``autoweave.explain`` calls the explainer), ``python -m autoweave``.
+    ("autoweave", "autoweave.__main__"),
 )
 ORDER = [name for layer in LAYERS for name in layer]
 
@@ -157,7 +159,7 @@ def test_each_folder_is_one_layer() -> None:
         assert {_layer_of(name) for name in members} == {_layer_of(f"autoweave.{folder}")}, folder
         layers.append(_layer_of(f"autoweave.{folder}"))
     assert layers == sorted(layers) and _layer_of("autoweave._compat") < layers[0] < layers[-1] < _layer_of(
-        "autoweave.cli"
+        "autoweave.tools"
     )
 
 
