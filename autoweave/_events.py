@@ -26,7 +26,7 @@ Topics and what each publishes (positional arguments):
 - ``GRAPH_COMPILED``: ``(graph,)``, a woven region's backend compiled (or ran eager) one graph
   dynamo handed it (``weave.pieces.CompiledGraph``); published only while someone listens.
 - ``AT_LIMIT``: ``(label,)``, a woven region under an eager checkpoint is at dynamo's recompile
-  limit and runs eager the calls none of its graphs fits (``_compat.dynamo.lookups_in_order``).
+  limit and runs eager the calls none of its graphs fits (``_compat.regions.lookups_in_order``).
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def test_the_report_leaves_a_plain_compiles_backend_as_torch_built_it(weave_on, 
     else:
         compiled = torch.compile(model, mode=mode)
     assert compiled.get_compiler_config() == expected
-    assert type(_compat.dynamo.compile_wrapper_of(compiled)) is torch._TorchCompileInductorWrapper
+    assert type(_compat.backends.compile_wrapper_of(compiled)) is torch._TorchCompileInductorWrapper
     # And the graphs dynamo hands a plain compile's own backend are counted under its region.
     model = Small()
     if in_place:

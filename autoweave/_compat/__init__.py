@@ -9,10 +9,12 @@ issue that would retire it, at the workaround:
 - ``lookup``: finding a torch name by path; ``UnsupportedTorch``.
 - ``modules``: private attributes of torch's modules and wrappers (OptimizedModule,
   CheckpointWrapper, FSDP, nn.Module's stores and hooks).
-- ``dynamo``: dynamo's counters, callbacks, code resets, the compile in progress,
+- ``dynamo``: dynamo's counters, callbacks, code resets, the compile in progress, stances,
   and failing open inside dynamo (suppressed errors, compiling a skipped frame again).
-- ``backends``: the backend ``torch.compile`` builds, wrapping it unchanged, and
-  what dynamo guards a compiled function on (its cache entries).
+- ``regions``: a woven region's frames in dynamo's cache: the order of lookups, the
+  recompile limit kept at the region's entry, the steady-state watchdog.
+- ``backends``: the backend ``torch.compile`` builds, wrapping it unchanged, what dynamo
+  guards a compiled function on (its cache entries), and each graph handed to a backend.
 - ``log_strings``: dynamo's log messages, each read in one place into a typed record.
 - ``checkpoints``: the traced checkpoint operator, the SAC policy, saved-tensor hooks,
   autograd's node numbers, fake tensors.
@@ -30,6 +32,6 @@ Callers name the concern with the name: ``_compat.dynamo.outside_dynamo``. This
 package only imports its modules, so ``from autoweave import _compat`` reaches them all.
 """
 
-from autoweave._compat import backends, checkpoints, dynamo, log_strings, lookup, modules, version
+from autoweave._compat import backends, checkpoints, dynamo, log_strings, lookup, modules, regions, version
 
-__all__ = ["backends", "checkpoints", "dynamo", "log_strings", "lookup", "modules", "version"]
+__all__ = ["backends", "checkpoints", "dynamo", "log_strings", "lookup", "modules", "regions", "version"]

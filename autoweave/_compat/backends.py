@@ -1,7 +1,9 @@
-"""The backend ``torch.compile`` builds, wrapped unchanged, and what dynamo guards compiled code on.
+"""The backend ``torch.compile`` builds, wrapped unchanged, what dynamo guards compiled code on,
+and each graph dynamo hands a backend.
 
 The backend: what ``torch.compile`` builds from its arguments, wrapped without
-changing what compiles.
+changing what compiles; the backends torch's own wrappers hold; the backend object of
+one compile (``compile_wrapper_of``); dynamo's hand-off of a graph (``listen_to_graphs``).
 
 Torch range: ``torch._TorchCompileInductorWrapper`` / ``torch._TorchCompileWrapper``
 and ``torch._dynamo.backends.registry.lookup_backend`` on 2.11-2.15 (the inductor
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -143,7 +146,7 @@ _GUARDED_ATTRIBUTE = re.compile(r"\.([A-Za-z_]\w*)\s*(?:==|!=|is\b)")
 
 @functools.cache
 def _cache_entry_list() -> Callable[..., list[Any]] | None:
-    # Looked up once: ``dynamo.lookups_in_order`` asks on every woven call inside an eager checkpoint.
+    # Looked up once: ``regions.lookups_in_order`` asks on every woven call inside an eager checkpoint.
     # The C name: ``torch._dynamo.eval_frame``'s function of that name only forwards to it.
     return find_optional("torch._C._dynamo.eval_frame._debug_get_cache_entry_list")
 
@@ -196,3 +199,98 @@ def entry_counts(fn: Callable[..., Any]) -> list[tuple[str, int]]:
 def guarded_attributes(fn: Callable[..., Any]) -> frozenset[str]:
     """Names of attributes whose value ``fn``'s compiled code is guarded on (``==``, ``is``)."""
     return frozenset(name for text in guard_texts(fn) for name in _GUARDED_ATTRIBUTE.findall(text))
+
+
+# Where torch's wrappers of a backend keep the one they wrap: ``WrapBackendDebug`` and
+# ``_TorchCompileWrapper`` (``_torchdynamo_orig_backend``, ``compiler_fn``), autoweave's own
+# (``inner``), a ``functools.partial`` (``func``).
+_WRAPPED_BACKEND = ("_torchdynamo_orig_backend", "compiler_fn", "inner", "func")
+
+
+def backends_within(backend: Any, depth: int = 8) -> Iterator[Any]:
+    """``backend`` and every backend it wraps, outermost first."""
+    seen: set[int] = set()
+    while backend is not None and depth > 0 and id(backend) not in seen:
+        yield backend
+        seen.add(id(backend))
+        depth -= 1
+        backend = next(
+            (inner for name in _WRAPPED_BACKEND if (inner := getattr(backend, name, None)) is not None),
+            None,
+        )
+
+
+def compile_wrapper_of(compiled: Any) -> Any:
+    """The backend object ``torch.compile`` built for ``compiled`` (a module or a function it returned), or None.
+
+    It is what dynamo hands each graph of that compile (through its own wrappers:
+    ``backends_within``), and a fresh one at every ``torch.compile``. An
+    ``OptimizedModule`` holds its compile context (``dynamo_ctx``); a compiled
+    function holds it only in the closure of the ``get_compiler_config`` torch
+    sets on it (2.11-2.15).
+    """
+    ctx = getattr(compiled, "dynamo_ctx", None)
+    if ctx is None:
+        cells = getattr(getattr(compiled, "get_compiler_config", None), "__closure__", None) or ()
+        ctx = next((c.cell_contents for c in cells if hasattr(c.cell_contents, "callback")), None)
+    wrappers = tuple(filter(None, map(find_optional, _COMPILE_WRAPPERS)))
+    within = backends_within(getattr(ctx, "callback", None))
+    return next((b for b in within if isinstance(b, wrappers)), None)  # isinstance(b, ()) is False
+
+
+_COMPILE_WRAPPERS = ("torch._TorchCompileWrapper", "torch._TorchCompileInductorWrapper")
+
+
+# Handing a graph to its backend: dynamo's compile callbacks carry a compile id, never the
+# graph, and a wrapper around the backend would change the compile it watches (the wrapped
+# backend answers ``get_compiler_config`` and ``isinstance`` otherwise). So the one place
+# dynamo hands a backend its graph, ``OutputGraph.call_user_compiler(self, gm,
+# example_inputs)`` (2.11-2.15; ``self.compiler_fn`` is the backend), is wrapped while
+# someone listens. No upstream issue asks for a public graph callback that we found.
+HANDOFF_MODULE = "torch._dynamo.output_graph"
+_HANDOFF = "call_user_compiler"
+
+
+def listen_to_graphs(listener: Callable[[Any, Any], Any]) -> Callable[[], None]:
+    """``listener(backend, gm)`` as dynamo hands ``backend`` a graph ``gm``; returns the undo.
+
+    What the listener returns, if not None, is called with the backend's result and
+    the seconds it took. Neither may raise: they run inside the user's compile.
+    dynamo's hand-off is wrapped once its module is imported (importing it here
+    would import dynamo); the undo unwraps it, or, where someone wrapped it since,
+    leaves it calling straight through.
+    """
+    from autoweave import _installs
+
+    undos: list[Callable[[], None]] = []
+
+    def wrap(module: Any) -> None:
+        owner = module.OutputGraph
+        original = vars(owner).get(_HANDOFF)
+        if original is None or undos:
+            return
+
+        @functools.wraps(original)
+        def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
+            after = listener(self.compiler_fn, gm) if undos else None
+            start = time.perf_counter()
+            compiled = original(self, gm, example_inputs)
+            if after is not None:
+                after(compiled, time.perf_counter() - start)
+            return compiled
+
+        def unwrap() -> None:
+            if vars(owner).get(_HANDOFF) is call_user_compiler:  # nobody wrapped it since
+                setattr(owner, _HANDOFF, original)
+
+        setattr(owner, _HANDOFF, call_user_compiler)
+        undos.append(unwrap)
+
+    _installs.register(HANDOFF_MODULE, wrap)
+
+    def undo() -> None:
+        _installs.unregister(HANDOFF_MODULE, wrap)
+        while undos:
+            undos.pop()()
+
+    return undo

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from autoweave._compat import checkpoints, dynamo, log_strings, modules
+from autoweave._compat import backends, checkpoints, dynamo, log_strings, modules
 from autoweave._compat.lookup import UnsupportedTorch, find, find_optional
 
 # The torch releases autoweave is tested on, inclusive, as (major, minor).
@@ -200,7 +200,7 @@ def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
         message("recompile-limit", "torch._dynamo.convert_frame", log_strings.RECOMPILE_LIMIT_NEEDLE),
         in_source("dynamo's graph_breaks log artifact", "torch._dynamo.symbolic_convert", '"graph_breaks"'),
         has("torch._dynamo.config.suppress_errors"),
-        # While woven calls run, hooks of inlined modules are guarded (``dynamo._InsertionOrder``).
+        # While woven calls run, hooks of inlined modules are guarded (``regions._InsertionOrder``).
         has("torch._dynamo.config.skip_nnmodule_hook_guards"),
         # A frame that fails at a woven first call runs eager with its callees (``skip_with_callees``).
         in_source("dynamo's per-error 'frame_exec_strategy'", "torch._dynamo.exc", "frame_exec_strategy"),
@@ -216,7 +216,7 @@ def _convert_frame_argument() -> bool:
 
 
 def _handoff_arguments() -> bool:
-    owner = find_optional(f"{dynamo.HANDOFF_MODULE}.OutputGraph")
+    owner = find_optional(f"{backends.HANDOFF_MODULE}.OutputGraph")
     code = getattr(inspect.unwrap(getattr(owner, "call_user_compiler", None)), "__code__", None)
     return code is not None and code.co_varnames[:3] == ("self", "gm", "example_inputs")
 

@@ -95,7 +95,7 @@ def count_plain(module: Any, compiled: Any) -> None:
     """Count the graphs of ``compiled``, the plain ``torch.compile`` of ``module`` autoweave routes, when reporting.
 
     Nothing about the compile changes: the collector knows it by the backend
-    object torch built for it (``_compat.dynamo.compile_wrapper_of``) and counts the
+    object torch built for it (``_compat.backends.compile_wrapper_of``) and counts the
     graphs dynamo hands that backend.
     """
     stats = _stats
@@ -105,7 +105,7 @@ def count_plain(module: Any, compiled: Any) -> None:
         run.plain_count += 1
         label = f"plain_{type(module).__name__}_{run.plain_count}"
     try:  # counting is the report's business: the compile goes on whatever happens here
-        backend = _compat.dynamo.compile_wrapper_of(compiled)
+        backend = _compat.backends.compile_wrapper_of(compiled)
         if backend is None:
             raise LookupError("its backend is not found")
         run.plain_labels[module] = label
@@ -202,7 +202,7 @@ class _Stats:
     def install(self) -> None:
         self._undos = [
             _events.subscribe(_events.GRAPH_COMPILED, self.on_graph),
-            _compat.dynamo.listen_to_graphs(self._on_plain_graph),
+            _compat.backends.listen_to_graphs(self._on_plain_graph),
             self.fallbacks.install().uninstall,
             graph_breaks.listening(self.break_sites).start().stop,  # the user's line of each graph break
             # dynamo's recompile-limit warnings (any compile, autoweave's or not)
@@ -289,7 +289,7 @@ class _Stats:
 
     def _region_of_backend(self, backend: Any) -> RegionStats | None:
         """The region whose backend (a woven region's, or one torch built for a plain compile) ``backend`` is."""
-        for within in _compat.dynamo.backends_within(backend):
+        for within in _compat.backends.backends_within(backend):
             if isinstance(within, RegionBackend):
                 return self.region(within.label, "woven")
             ref, region = self._plain.get(id(within), (None, None))

@@ -240,7 +240,7 @@ def _without_checkpoint(wrapper: nn.Module) -> Callable[..., Any]:
     def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         if _compat.dynamo.eager_stance() == "force_eager":
             return True
-        return _compat.dynamo.fails_on_recompile() and _compat.dynamo.region_would_convert(
+        return _compat.dynamo.fails_on_recompile() and _compat.regions.region_would_convert(
             inner.__dict__.get("forward"), args, kwargs
         )
 
@@ -282,7 +282,7 @@ def _region_forward(
             label = _label(decision.path, type(module))
             region_kw, backend = _backend_kwargs(kwargs, label, pieces_fn)
         region = _private_region(own, checkpoint_fn, label)
-        region = _compat.dynamo.lookups_in_order(
+        region = _compat.regions.lookups_in_order(
             compile_fn(region, **region_kw),
             _compat.checkpoints.as_recompute_sees,
             **_at_limit(region, label, region_kw),
@@ -337,7 +337,7 @@ def _build_kind_region(
         region = _shared_region(forward, checkpoint_fn, label)
     # A recompute must run the graph its forward ran (``lookups_in_order``), from inputs that
     # meet the same guards (``as_recompute_sees``), and at the recompile limit the same code.
-    compiled = _compat.dynamo.lookups_in_order(
+    compiled = _compat.regions.lookups_in_order(
         compile_fn(region, **region_kw),
         _compat.checkpoints.as_recompute_sees,
         **_at_limit(region, label, region_kw),
@@ -354,7 +354,7 @@ def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any])
         # ``storm``: not at the limit yet, but it compiled again at every call (the watchdog).
         runs = "from this call on, every call" if every else "a call none of its graphs fits"
         where = (
-            f"compiled again at each of one block's last {_compat.dynamo.STORM_CALLS} calls (frame {frame})"
+            f"compiled again at each of one block's last {_compat.regions.STORM_CALLS} calls (frame {frame})"
             if storm
             else f"is at dynamo's recompile limit (frame {frame})"
         )

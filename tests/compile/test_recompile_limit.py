@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from autoweave._compat import dynamo
+from autoweave._compat import regions
 
 
 def _make() -> tuple:
@@ -45,16 +45,16 @@ def test_a_call_no_entry_fits_is_told_only_at_the_limit() -> None:
     with torch._dynamo.config.patch(recompile_limit=2):
         compiled(linear, torch.randn(2, 4))
         # One entry: below the limit, dynamo would compile a new one.
-        assert not dynamo._no_entry_at_limit(region, (linear, torch.randn(3, 4)), {}, None)
+        assert not regions._no_entry_at_limit(region, (linear, torch.randn(3, 4)), {}, None)
         compiled(linear, torch.randn(3, 4))
         # Two entries, at the limit: a third shape fits neither, the first two each fit one.
-        assert dynamo._no_entry_at_limit(region, (linear, torch.randn(5, 4)), {}, None)
-        assert not dynamo._no_entry_at_limit(region, (linear, torch.randn(2, 4)), {}, None)
-        assert not dynamo._no_entry_at_limit(region, (linear, torch.randn(3, 4)), {}, None)
+        assert regions._no_entry_at_limit(region, (linear, torch.randn(5, 4)), {}, None)
+        assert not regions._no_entry_at_limit(region, (linear, torch.randn(2, 4)), {}, None)
+        assert not regions._no_entry_at_limit(region, (linear, torch.randn(3, 4)), {}, None)
         # The default is bound as the frame sees it: a value the entries specialized on differs.
-        assert dynamo._no_entry_at_limit(region, (linear, torch.randn(2, 4)), {"bias": 3}, None)
+        assert regions._no_entry_at_limit(region, (linear, torch.randn(2, 4)), {"bias": 3}, None)
     # A limit given with the compile (``recompile_limit=``) is the one that counts.
-    assert not dynamo._no_entry_at_limit(region, (linear, torch.randn(5, 4)), {}, 8)
+    assert not regions._no_entry_at_limit(region, (linear, torch.randn(5, 4)), {}, 8)
 
 
 def test_a_decorators_frame_is_read_with_its_own_arguments() -> None:
@@ -69,8 +69,8 @@ def test_a_decorators_frame_is_read_with_its_own_arguments() -> None:
     compiled = torch.compile(computing, backend="eager", dynamic=False)
     with torch._dynamo.config.patch(recompile_limit=1):
         compiled(linear, torch.randn(2, 4))
-        assert not dynamo._no_entry_at_limit(computing, (linear, torch.randn(2, 4)), {}, None)
-        assert dynamo._no_entry_at_limit(computing, (linear, torch.randn(3, 4)), {}, None)
+        assert not regions._no_entry_at_limit(computing, (linear, torch.randn(2, 4)), {}, None)
+        assert regions._no_entry_at_limit(computing, (linear, torch.randn(3, 4)), {}, None)
 
 
 def test_an_argument_that_does_not_bind_leaves_the_call_to_dynamo() -> None:
@@ -78,4 +78,4 @@ def test_an_argument_that_does_not_bind_leaves_the_call_to_dynamo() -> None:
     compiled = torch.compile(region, backend="eager", dynamic=False)
     with torch._dynamo.config.patch(recompile_limit=1):
         compiled(LINEAR, torch.randn(2, 4))
-        assert not dynamo._no_entry_at_limit(region, (LINEAR,), {"nope": 1}, None)
+        assert not regions._no_entry_at_limit(region, (LINEAR,), {"nope": 1}, None)

@@ -399,7 +399,7 @@ def differences(case: Case, plain: Outcome, woven: Outcome, bound: Outcome) -> l
     # call (a counter, a hook appending to a list) does so STORM_CALLS times before the watchdog
     # sees the storm and settles its block (docs/guarantees.md, the steady state).
     resets = 1 + sum(event == "reset" for _, event, *_ in case.events)
-    storm = _compat.dynamo.STORM_CALLS if woven.settled else 0
+    storm = _compat.regions.STORM_CALLS if woven.settled else 0
     per_frame = resets * (1 + max(max(bound.frames.values(), default=0), storm))
     if woven.recompiles > plain.recompiles + len(woven.frames) * per_frame:
         out.append(
