@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import _thread
 import sys
+from types import ModuleType as _ModuleType
 
 import _autoweave_start as _start
 from _autoweave_start import register, registered, unregister_all  # noqa: F401 (the post-import hooks)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
+    from typing import Any
 
     Undo = Callable[[], None]
 
@@ -117,6 +119,77 @@ def uninstall_all() -> None:
                 return
             key, undo = _undos.popitem()
         _run(key, undo)
+
+
+_MISSING = object()
+
+
+def _attribute(owner: Any, name: str) -> Any:
+    # A class's or an instance's own entry, read through ``__dict__`` (no descriptor bound); a
+    # module's (torch's config modules keep their values elsewhere) and anything inherited by
+    # ``getattr``.
+    own = getattr(owner, "__dict__", None)
+    if isinstance(owner, _ModuleType) or own is None or name not in own:
+        return getattr(owner, name, _MISSING)
+    return own[name]
+
+
+def patch(
+    owner: Any,
+    name: str,
+    make: Callable[[Any, Callable[[], bool]], Any],
+    on_shadowed: Callable[[str], None] | None = None,
+) -> Undo:
+    """Put ``make(original, on)`` on ``owner.name``; return its undo. The one way autoweave patches.
+
+    ``on()`` is True until the undo runs: a wrapper passes calls straight through
+    once it is False. The undo puts the original back only where ours is still on
+    top (an attribute the owner inherited is deleted from it again); where
+    someone put theirs on top since, it leaves both, ours passing through, and
+    tells ``on_shadowed`` (``owner.name``). The undo returns whether it put the original back.
+    """
+    inherited = _inherited(owner, name)
+    original = _attribute(owner, name)
+    if original is _MISSING:
+        raise AttributeError(f"{owner!r} has no attribute {name!r} to patch")
+    on = [True]
+    ours = make(original, lambda: on[0])
+    setattr(owner, name, ours)
+
+    def undo() -> bool:
+        on[0] = False
+        if _attribute(owner, name) is not ours:
+            if on_shadowed is not None:
+                on_shadowed(f"{getattr(owner, '__name__', type(owner).__name__)}.{name}")
+            return False
+        if inherited:  # it was its class's: the owner holds none of its own again
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+        return True
+
+    return undo
+
+
+def _inherited(owner: Any, name: str) -> bool:
+    """Does ``owner`` get ``name`` from its class (a method an instance does not hold itself)?"""
+    if isinstance(owner, _ModuleType) or name in (getattr(owner, "__dict__", None) or {}):
+        return False
+    for klass in type(owner).__mro__:
+        if name in vars(klass):
+            # A data descriptor (a function's ``__defaults__``, a property) holds the owner's own value.
+            return not hasattr(vars(klass)[name], "__set__")
+    return False
+
+
+def chain(obj: Any, through: tuple[str, ...] = ("__wrapped__",), depth: int = 16) -> Iterator[Any]:
+    """``obj`` and each object it wraps (found under the first of ``through`` it has), outermost first."""
+    seen: set[int] = set()
+    while obj is not None and depth > 0 and id(obj) not in seen:
+        yield obj
+        seen.add(id(obj))
+        depth -= 1
+        obj = next((inner for attr in through if (inner := getattr(obj, attr, None)) is not None), None)
 
 
 def shadowed_message(what: str) -> str:

@@ -135,10 +135,8 @@ class LoggerEdit:
 
     def set_propagate(self, value: bool) -> None:
         log = self.log
-        before = log.propagate
-        log.propagate = value
-        if value != before:
-            self.undo_with(lambda: setattr(log, "propagate", before) if log.propagate == value else None)
+        if log.propagate != value:  # put back only if nobody set it since
+            self.undo_with(_installs.patch(log, "propagate", lambda before, on: value))
 
     def add_handler(self, handler: logging.Handler) -> None:
         if handler not in self.log.handlers:

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from autoweave import _installs
 from autoweave._compat.lookup import UnsupportedTorch, find, find_optional
 
 
@@ -209,15 +210,7 @@ _WRAPPED_BACKEND = ("_torchdynamo_orig_backend", "compiler_fn", "inner", "func")
 
 def backends_within(backend: Any, depth: int = 8) -> Iterator[Any]:
     """``backend`` and every backend it wraps, outermost first."""
-    seen: set[int] = set()
-    while backend is not None and depth > 0 and id(backend) not in seen:
-        yield backend
-        seen.add(id(backend))
-        depth -= 1
-        backend = next(
-            (inner for name in _WRAPPED_BACKEND if (inner := getattr(backend, name, None)) is not None),
-            None,
-        )
+    return _installs.chain(backend, _WRAPPED_BACKEND, depth)
 
 
 def compile_wrapper_of(compiled: Any) -> Any:
@@ -260,31 +253,26 @@ def listen_to_graphs(listener: Callable[[Any, Any], Any]) -> Callable[[], None]:
     would import dynamo); the undo unwraps it, or, where someone wrapped it since,
     leaves it calling straight through.
     """
-    from autoweave import _installs
-
     undos: list[Callable[[], None]] = []
 
     def wrap(module: Any) -> None:
         owner = module.OutputGraph
-        original = vars(owner).get(_HANDOFF)
-        if original is None or undos:
+        if vars(owner).get(_HANDOFF) is None or undos:
             return
 
-        @functools.wraps(original)
-        def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
-            after = listener(self.compiler_fn, gm) if undos else None
-            start = time.perf_counter()
-            compiled = original(self, gm, example_inputs)
-            if after is not None:
-                after(compiled, time.perf_counter() - start)
-            return compiled
+        def make(original: Any, on: Callable[[], bool]) -> Any:
+            @functools.wraps(original)
+            def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
+                after = listener(self.compiler_fn, gm) if on() else None
+                start = time.perf_counter()
+                compiled = original(self, gm, example_inputs)
+                if after is not None:
+                    after(compiled, time.perf_counter() - start)
+                return compiled
 
-        def unwrap() -> None:
-            if vars(owner).get(_HANDOFF) is call_user_compiler:  # nobody wrapped it since
-                setattr(owner, _HANDOFF, original)
+            return call_user_compiler
 
-        setattr(owner, _HANDOFF, call_user_compiler)
-        undos.append(unwrap)
+        undos.append(_installs.patch(owner, _HANDOFF, make))
 
     _installs.register(HANDOFF_MODULE, wrap)
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from typing import Any
 
+from autoweave import _installs
 from autoweave._compat import backends
 from autoweave._compat.backends import _cache_entry_list, cache_entries
 from autoweave._compat.checkpoints import eager_checkpoint_frame as _eager_checkpoint_frame
@@ -50,7 +51,7 @@ class _InsertionOrder:
     def __init__(self, set_lru: Callable[[bool], None]) -> None:
         self._set_lru = set_lru
         self._running = 0
-        self._skipped_hooks: Any = None  # the user's setting, while woven calls run
+        self._guard_hooks: Callable[[], Any] | None = None  # undoes the hook guards, while woven calls run
         self._lock = threading.Lock()  # the flag is process-wide: threads share one count
 
     def __enter__(self) -> None:
@@ -58,9 +59,8 @@ class _InsertionOrder:
             if self._running == 0:
                 self._set_lru(False)
                 config = sys.modules.get("torch._dynamo.config")
-                self._skipped_hooks = getattr(config, _HOOK_GUARDS, None)
-                if self._skipped_hooks:
-                    setattr(config, _HOOK_GUARDS, False)
+                if getattr(config, _HOOK_GUARDS, None):  # put back as the calls end, unless set since
+                    self._guard_hooks = _installs.patch(config, _HOOK_GUARDS, lambda skipped, on: False)
             self._running += 1
 
     def __exit__(self, *exc_info: object) -> None:
@@ -68,9 +68,9 @@ class _InsertionOrder:
             self._running -= 1
             if self._running == 0:
                 self._set_lru(True)
-                if self._skipped_hooks:
-                    setattr(sys.modules["torch._dynamo.config"], _HOOK_GUARDS, self._skipped_hooks)
-                    self._skipped_hooks = None
+                if self._guard_hooks is not None:
+                    self._guard_hooks()
+                    self._guard_hooks = None
 
 
 _HOOK_GUARDS = "skip_nnmodule_hook_guards"

@@ -58,7 +58,7 @@ from autoweave.dispatch import plan_inputs
 from autoweave.dispatch.first_call import FirstCall
 from autoweave.dispatch.states import _RUNS_REGIONS, _TRANSITIONS, State, Why
 from autoweave.observe import counting, summary
-from autoweave.planning import boundaries, planner
+from autoweave.planning import boundaries, kinds, planner
 from autoweave.planning.learned import hoist_reason
 from autoweave.weave import apply
 
@@ -77,7 +77,7 @@ def _fingerprint(target: nn.Module) -> tuple:
     # A block measured holding more as pieces than eager SAC would is planned again (memory);
     # one whose hooks changed too: dynamo never sees a hook added after it traced (tree_watch).
     return tuple(
-        (name, type(m), getattr(m, boundaries.MARK, None), hoist_reason(m), apply.hooks_key(m))
+        (name, type(m), getattr(m, boundaries.MARK, None), hoist_reason(m), kinds.hooks_key(m))
         for name, m in modules
     )
 

@@ -29,10 +29,8 @@ class AutoweaveWrapper(wrapt.FunctionWrapper):
 @dataclass
 class _Patch:
     name: str  # the switch name in AUTOWEAVE_DISABLED_PATCHES
-    owner: Any
-    attribute: str
     original: Any
-    wrapper: AutoweaveWrapper
+    undo: Callable[[], bool]  # ``_installs.patch``'s: True if the original went back
 
 
 _lock = threading.RLock()
@@ -40,22 +38,6 @@ _lock = threading.RLock()
 _applied: dict[tuple[int, str], _Patch] = {}
 # Keys of the patches that route calls; a wrapper we could not remove stays, inactive.
 _active: set[tuple[int, str]] = set()
-
-
-def _current(owner: Any, attribute: str) -> Any:
-    # Read through the class __dict__ so descriptors are not bound.
-    if isinstance(owner, type):
-        return owner.__dict__.get(attribute)
-    return getattr(owner, attribute, None)
-
-
-def _ours_in_chain(current: Any) -> AutoweaveWrapper | None:
-    """Our wrapper, on top or buried under someone else's ``functools.wraps`` layers."""
-    for _ in range(16):
-        if isinstance(current, AutoweaveWrapper):
-            return current
-        current = getattr(current, "__wrapped__", None)
-    return None
 
 
 def _label(owner: Any, attribute: str) -> str:
@@ -66,23 +48,23 @@ def _apply(name: str, owner: Any, attribute: str, route: Callable[..., Any]) -> 
     """Install the patch ``name`` (once); True if a new wrapper went on now."""
     fresh: list[bool] = []
 
+    def wrap(original: Any, _on: Callable[[], bool]) -> AutoweaveWrapper:
+        fresh.append(True)
+        return AutoweaveWrapper(original, route, enabled=lambda: key in _active)
+
     def apply() -> Callable[[], None]:
         with _lock:
-            key = (id(owner), attribute)
-            current = _current(owner, attribute)
-            if current is None:
-                raise AttributeError(f"{owner!r} has no attribute {attribute!r} to patch")
             # Switched on before it goes on top; never two layers: a wrapper
             # left under someone else's is switched back on.
             _active.add(key)
-            if _ours_in_chain(current) is None:
-                wrapper = AutoweaveWrapper(current, route, enabled=lambda: key in _active)
-                setattr(owner, attribute, wrapper)
-                _applied[key] = _Patch(name, owner, attribute, current, wrapper)
-                fresh.append(True)
+            current = getattr(owner, attribute)
+            if not any(isinstance(layer, AutoweaveWrapper) for layer in _installs.chain(current)):
+                undo = _installs.patch(owner, attribute, wrap, shadowed)
+                _applied[key] = _Patch(name, current, undo)
                 logger.debug("patched %s", _label(owner, attribute))
             return lambda: _revert(key)
 
+    key = (id(owner), attribute)
     _installs.install(f"patch {_label(owner, attribute)}", apply)
     return bool(fresh)
 
@@ -92,13 +74,8 @@ def _revert(key: tuple[int, str]) -> bool:
     with _lock:
         _active.discard(key)
         patch = _applied.get(key)
-        if patch is None:
+        if patch is None or not patch.undo():
             return False
-        current = _current(patch.owner, patch.attribute)
-        if current is not patch.wrapper:
-            shadowed(_label(patch.owner, patch.attribute))
-            return False
-        setattr(patch.owner, patch.attribute, patch.original)
         del _applied[key]
         return True
 
@@ -132,7 +109,7 @@ def apply_checkpoint_wrapper(settings: Settings, module: Any) -> None:
     from autoweave.dispatch import routes
 
     with _lock:
-        original = _current(module, "checkpoint_wrapper")
+        original = module.checkpoint_wrapper
         if not _apply("checkpoint_wrapper", module, "checkpoint_wrapper", routes.route_checkpoint_wrapper):
             return
         # apply_activation_checkpointing captures checkpoint_wrapper as a default
@@ -142,19 +119,14 @@ def apply_checkpoint_wrapper(settings: Settings, module: Any) -> None:
         if defaults and any(d is original for d in defaults):
             _installs.install(
                 "patch apply_activation_checkpointing's default checkpoint_wrapper",
-                lambda: _patch_defaults(apply_ac, defaults, original, module.checkpoint_wrapper),
+                lambda: _installs.patch(
+                    apply_ac,
+                    "__defaults__",
+                    lambda defaults, _on: tuple(
+                        module.checkpoint_wrapper if d is original else d for d in defaults
+                    ),
+                ),
             )
-
-
-def _patch_defaults(function: Any, defaults: tuple, original: Any, wrapper: Any) -> Callable[[], None]:
-    ours = tuple(wrapper if d is original else d for d in defaults)
-    function.__defaults__ = ours
-
-    def undo() -> None:
-        if function.__defaults__ is ours:  # nobody changed the defaults since
-            function.__defaults__ = defaults
-
-    return undo
 
 
 def applied() -> list[str]:

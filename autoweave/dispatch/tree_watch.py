@@ -13,7 +13,7 @@ watches that bump it, each through the install registry with its undo:
   ``register_*_hook``), or removed through its handle: dynamo does not guard on
   hooks (``skip_nnmodule_hook_guards``), so a region that inlined the module
   would never run a hook added after it traced, nor stop running one removed.
-  The block's region key holds its hooks (``weave/apply.hooks_key``), so the
+  The block's region key holds its hooks (``planning/kinds.hooks_key``), so the
   block re-plans alone onto a region of its own. FSDP's and autoweave's own
   hooks, which the key leaves out, do not bump.
 
@@ -45,7 +45,7 @@ from autoweave._failopen import warn_each
 from autoweave._log import logger
 from autoweave._state import run
 from autoweave.planning.boundaries import bump
-from autoweave.weave.apply import uniform_hook
+from autoweave.planning.kinds import uniform_hook
 
 _is_compiling: Any = None  # torch.compiler.is_compiling, once torch is imported (install)
 
@@ -102,11 +102,11 @@ def _removed(remove: Callable[[], None], owner: Callable[[], Any]) -> None:
     _note_removal(owner)
 
 
-def _watch_hooks(original: Any, on: list[bool]) -> Any:
+def _watch_hooks(original: Any, on: Callable[[], bool]) -> Any:
     @functools.wraps(original)
     def register(self: Any, hook: Any, *args: Any, **kwargs: Any) -> Any:
         handle = original(self, hook, *args, **kwargs)
-        if on[0]:
+        if on():
             _note_hook(self, hook, handle)
         return handle
 
@@ -128,7 +128,7 @@ def install() -> None:
         if name in vars(torch.nn.Module):
             _installs.install(
                 f"patch torch.nn.Module.{name} (hook watch)",
-                lambda name=name: _patch(torch.nn.Module, name, _watch_hooks),
+                lambda name=name: _installs.patch(torch.nn.Module, name, _watch_hooks, _shadowed),
             )
     # FSDP2 loads when the user imports it, not with torch: hook its module
     # (at once if it is already imported) rather than import it here.
@@ -163,35 +163,19 @@ def _watch_fully_shard(state_module: Any) -> None:
     # Both FSDP2 module paths may name one class: one patch.
     _installs.install(
         f"patch {state_cls.__module__}.FSDPState.init (fully_shard watch)",
-        lambda: _patch(state_cls, "init", _watch_init, original),
+        lambda: _installs.patch(state_cls, "init", _watch_init, _shadowed),
     )
 
 
-def _watch_init(original: Any, on: list[bool]) -> Any:
+def _watch_init(original: Any, on: Callable[[], bool]) -> Any:
+    @functools.wraps(original)
     def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if on[0]:
+        if on():
             bump()
         return original(self, *args, **kwargs)
 
     return init
 
 
-def _patch(
-    owner: type, name: str, wrap: Callable[[Any, list[bool]], Any], original: Any = None
-) -> Callable[[], None]:
-    """Put ``wrap(original, on)`` on ``owner.name``; its undo restores the original if ours is on top."""
-    original = owner.__dict__[name] if original is None else original
-    on = [True]
-    wrapper = wrap(original, on)
-    wrapper.__wrapped__ = original
-    setattr(owner, name, wrapper)
-
-    def undo() -> None:
-        on[0] = False  # left in place below someone else's: passes calls straight through
-        if owner.__dict__.get(name) is wrapper:
-            setattr(owner, name, original)
-            return
-        what = f"{owner.__name__}.{name}"
-        warn_each(f"patch-shadowed:{what}", _installs.shadowed_message(what))
-
-    return undo
+def _shadowed(what: str) -> None:
+    warn_each(f"patch-shadowed:{what}", _installs.shadowed_message(what))

@@ -173,24 +173,19 @@ def _register(handler: Any, kind: str, fn: Callback) -> None:
 
 
 def _keep_across_resets(handler: Any) -> Undo | None:
-    clear = handler.clear
+    def make(clear: Callable[[], None], on: Callable[[], bool]) -> Callable[[], None]:
+        def clear_then_listen() -> None:
+            try:
+                clear()  # raises after clearing when a compile is pending: registered again all the same
+            finally:
+                with _callbacks_lock:
+                    for kind, fn in _listening if on() else ():
+                        _register(handler, kind, fn)
 
-    def clear_then_listen() -> None:
-        try:
-            clear()  # raises after clearing when a compile is pending: registered again all the same
-        finally:
-            with _callbacks_lock:
-                for kind, fn in _listening:
-                    _register(handler, kind, fn)
+        return clear_then_listen
 
-    try:
-        handler.clear = clear_then_listen  # on the instance: every caller's reference to it
+    try:  # on the instance: every caller's reference to it
+        return _installs.patch(handler, "clear", make)
     except (AttributeError, TypeError) as exc:  # a registry with slots: callbacks end at a reset
         logger.debug("dynamo's compile callbacks are not kept across resets (%s)", exc)
         return None
-
-    def undo() -> None:
-        if handler.__dict__.get("clear") is clear_then_listen:  # someone else's wrapper on top: theirs
-            del handler.clear
-
-    return undo

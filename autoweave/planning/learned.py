@@ -72,7 +72,7 @@ import torch.nn as nn
 from autoweave import _compat
 from autoweave._compat.log_strings import Break
 from autoweave._state import run
-from autoweave.planning import boundaries, sources
+from autoweave.planning import boundaries, kinds, sources
 
 _lock = threading.Lock()
 
@@ -299,82 +299,7 @@ class Verdict:
         )
 
 
-# -- what one block taught its kind ---------------------------------------------------------
-
-
-def identity(value: Any, _depth: int = 0) -> Any:
-    """A hashable key for a policy or option value: equal for the same functions, partials and constants.
-
-    Closures made by one factory per block (a ``context_fn`` built per layer, as
-    torchtitan's and NeMo's recipes build them) are equal when they run the same
-    code over equal captured values (``_captured``): blocks that differ only in
-    such a closure then share one compiled region, where a key by object kept
-    every block apart, compiling each on its own.
-    """
-    if _depth > 8:
-        return ("deep", id(value))
-    func = getattr(value, "func", None)
-    if func is not None:  # functools.partial: the function and its arguments
-        return (
-            "partial",
-            identity(func, _depth + 1),
-            tuple(identity(a, _depth + 1) for a in value.args),
-            identity(value.keywords, _depth + 1),
-        )
-    if isinstance(value, dict):
-        return tuple(sorted((k, identity(v, _depth + 1)) for k, v in value.items()))
-    if isinstance(value, (str, int, float, bool, type(None))):
-        return value
-    if isinstance(value, types.FunctionType) and value.__closure__:
-        return (
-            "closure",
-            id(value.__code__),
-            id(value.__globals__),
-            tuple(_captured(cell, _depth + 1) for cell in value.__closure__),
-            _captured_value(value.__defaults__, _depth + 1),
-        )
-    return id(value)
-
-
-_EMPTY = ("empty",)  # the key of a cell not filled yet
-
-
-def _captured(cell: Any, depth: int) -> Any:
-    contents = sources.cell_value(cell, _EMPTY)
-    return _EMPTY if contents is _EMPTY else _captured_value(contents, depth)
-
-
-def _captured_value(value: Any, depth: int) -> Any:
-    """A captured value's key: constants and frozen collections by value, anything mutable by object.
-
-    A dict, a list or any object a closure captures may be state it changes
-    (a per-block counter): two closures are equal only when they share it. A
-    set (a policy's op list) or tuple is read-only in practice and compared by
-    its items.
-    """
-    if isinstance(value, (tuple, frozenset, set)) and len(value) <= 256:
-        items = [_captured_value(item, depth + 1) for item in value]
-        if isinstance(value, tuple):
-            return ("tuple", tuple(items))
-        try:
-            return ("set", frozenset(items))
-        except TypeError:
-            return id(value)
-    if isinstance(value, dict):
-        return id(value)
-    return identity(value, depth)
-
-
 def kind(wrapper: Any) -> tuple | None:
-    """Blocks of one kind hold the same for backward: same code, parameter shapes and checkpoint."""
+    """The kind a memory verdict is kept for: ``wrapper``'s block's ``BlockKind``, less its dtypes."""
     inner = _compat.modules.children_of(wrapper).get(_compat.modules.CHECKPOINT_WRAPPED)
-    if inner is None:
-        return None
-    # Names and shapes, not dtypes: FSDP2 with a mixed-precision policy swaps its unit's
-    # parameters between sharded (fp32 DTensors: when a block is planned) and unsharded (bf16:
-    # during its forward, when its first call is measured). With the dtype in it the verdict was
-    # stored under a key the planner never read: the block was measured again at every plan and
-    # kept pieces that hold 1.6x plain torch's activations (fuzzer seed 11031). The verdict is a
-    # ratio of two byte counts of one forward, which a dtype scales alike.
-    shapes = tuple((name, tuple(p.shape)) for name, p in inner.named_parameters())
-    return (type(inner), shapes, identity(_compat.modules.checkpoint_fn(wrapper)))
+    return None if inner is None else kinds.block_kind(inner, _compat.modules.checkpoint_fn(wrapper)).memory()

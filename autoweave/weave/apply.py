@@ -21,7 +21,7 @@ from autoweave._failopen import warn_each
 from autoweave._instances import install_forward, restore_forward
 from autoweave._log import logger
 from autoweave._state import run
-from autoweave.planning import learned, sources, wrappers
+from autoweave.planning import kinds, learned, sources, wrappers
 from autoweave.planning.boundaries import own_forward, user_forward
 from autoweave.planning.learned import verdict_of
 from autoweave.planning.plans import Action, Plan
@@ -121,50 +121,8 @@ def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]
     Numbers on the modules (``layer_idx``) are not in it: a kind splits on one only
     when dynamo guards on it (``shared_kinds``).
     """
-    shapes = tuple(
-        (name, type(t).__name__, tuple(t.shape), t.dtype)
-        for name, t in (*module.named_parameters(), *module.named_buffers())
-    )
-    structure = tuple((name, type(m), hooks_key(m)) for name, m in module.named_modules())
-    fn = getattr(decision.checkpoint, "checkpoint_fn", None)
-    parts = (getattr(fn, "func", None), getattr(fn, "keywords", {}))  # a partial's function and options
-    checkpoint = None if decision.checkpoint is None else tuple(learned.identity(part) for part in parts)
-    options = learned.identity(compile_kwargs)
-    return (type(module).forward, structure, shapes, decision.action, decision.pieces, checkpoint, options)
-
-
-# Hooks change what a block runs, and dynamo does not guard on them
-# (``skip_nnmodule_hook_guards``): a block whose hook differs from its neighbours'
-# would run their compiled code, its hook gone from the second call on. Hooks torch's
-# distributed wrappers install (FSDP2's, a bound method of each unit's own state)
-# and autoweave's own do the same for every block: they do not split a kind. The
-# dispatcher re-plans a block whose key changed (``dispatch/tree_watch`` signals it).
-_UNIFORM_HOOK_MODULES = ("torch.distributed", "autoweave")
-
-
-def hooks_key(module: nn.Module) -> tuple:
-    """``module``'s own hooks as its region key holds them (FSDP's and autoweave's left out)."""
-    key = []
-    for store, hooks in _compat.modules.hooks_of(module):  # most modules have none: the walk reads every one
-        own = tuple(_hook_identity(hook) for hook in hooks if not uniform_hook(hook))
-        if own:
-            key.append((store, own))
-    return tuple(key)
-
-
-def _hook_identity(hook: Any) -> Any:
-    # ``torch.compiler.disable(f)`` makes a new wrapper per call: hooks disabled per
-    # block over one function are the same hook (the wrapper adds no state of its own).
-    original = _compat.dynamo.disabled_original(hook)
-    if original is not None:
-        return ("dynamo-disabled", _hook_identity(original))
-    return learned.identity(hook)
-
-
-def uniform_hook(hook: Any) -> bool:
-    """Is ``hook`` one torch's distributed wrappers or autoweave put on every block alike?"""
-    owner = getattr(getattr(hook, "func", hook), "__module__", None) or ""
-    return owner.startswith(_UNIFORM_HOOK_MODULES)
+    kind = kinds.block_kind(module, getattr(decision.checkpoint, "checkpoint_fn", None))
+    return (kind, decision.action, decision.pieces, kinds.identity(compile_kwargs))
 
 
 def _label(path: str, cls: type[nn.Module]) -> str:

@@ -50,6 +50,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "autoweave.planning",
         "autoweave.planning.sources",
+        "autoweave.planning.kinds",
         "autoweave.planning.wrappers",
         "autoweave.planning.boundaries",
         "autoweave.planning.checkpoint_calls",
@@ -323,6 +324,28 @@ def test_only_patches_assigns_to_a_torch_attribute() -> None:
                 if isinstance(target, ast.Attribute) and isinstance(root, ast.Name) and root.id == "torch":
                     offenders.append(f"{module}:{node.lineno}")
     assert not offenders, offenders
+
+
+# What ``setattr`` may change outside ``_installs.patch`` (the one way autoweave patches torch and
+# logging, with its undo): autoweave's own functions and dispatcher (named so below), and the
+# compiled-call slot of a module the user compiled, which torch.compile itself sets.
+_OWN_OBJECTS = {"self", "forward", "wrapper", "in_order", "fn", "module"}
+
+
+def test_only_the_patch_primitive_sets_attributes_on_objects_not_autoweaves() -> None:
+    offenders = []
+    for module, path in _modules().items():
+        if module == "autoweave._installs" or module.startswith("autoweave.tools"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("setattr", "delattr")
+                and not (isinstance(node.args[0], ast.Name) and node.args[0].id in _OWN_OBJECTS)
+            ):
+                offenders.append(f"{module}:{node.lineno}")
+    assert not offenders, f"patch through autoweave._installs.patch: {offenders}"
 
 
 # What start-up imports before torch (``startup``, and the patch registry that start-up hooks and

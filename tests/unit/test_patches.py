@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -368,3 +369,72 @@ def test_checkpoint_wrapper_still_wraps() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     cw.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Linear))
     assert isinstance(model[0], cw.CheckpointWrapper)
+
+
+# -- the one patch primitive (``_installs.patch``) that every patch above goes through ------------
+
+
+def _counting(original: Any, on: Any) -> Any:
+    def wrapper(*args: Any) -> Any:
+        wrapper.calls += on()
+        return original(*args)
+
+    wrapper.calls = 0
+    wrapper.__wrapped__ = original
+    return wrapper
+
+
+def test_the_primitive_puts_the_original_back_only_where_ours_is_on_top() -> None:
+    import types
+
+    from autoweave import _installs
+
+    owner = types.SimpleNamespace(f=lambda: 1)
+    original = owner.f
+    undo = _installs.patch(owner, "f", _counting)
+    assert owner.f() == 1 and owner.f.calls == 1 and list(_installs.chain(owner.f)) == [owner.f, original]
+    assert undo() is True and owner.f is original
+    told: list[str] = []
+    undo = _installs.patch(owner, "f", _counting, told.append)
+    ours = owner.f
+    owner.f = lambda: ours() + 1  # someone else's on top since
+    assert undo() is False and told == ["SimpleNamespace.f"]
+    assert owner.f() == 2 and ours.calls == 0  # ours left below theirs, passing calls straight through
+
+
+def test_the_primitive_tells_who_asked_of_a_wrapper_on_top_and_restores_each_kind_of_attribute() -> None:
+    import logging
+    import types
+
+    from autoweave import _installs
+
+    class Registry:
+        def clear(self) -> str:
+            return "class"
+
+    registry = Registry()
+    told: list[str] = []
+    undo = _installs.patch(registry, "clear", lambda original, on: lambda: "ours", told.append)
+    assert (
+        registry.clear() == "ours" and undo() is True and "clear" not in vars(registry)
+    )  # inherited: deleted
+
+    def f(a: int = 1) -> int:
+        return a
+
+    defaults = f.__defaults__
+    undo = _installs.patch(f, "__defaults__", lambda original, on: (2,))
+    assert f() == 2 and undo() is True and f.__defaults__ is defaults  # a data descriptor: set back
+
+    log = logging.getLogger("autoweave.test.primitive")
+    undo = _installs.patch(log, "propagate", lambda original, on: False)
+    log.propagate = True  # set since: kept, and told
+    undo = _installs.patch(log, "propagate", lambda original, on: False, told.append)
+    log.propagate = "theirs"
+    assert undo() is False and log.propagate == "theirs" and told == ["Logger.propagate"]
+    log.propagate = True
+
+    module = types.ModuleType("config")
+    module.flag = True
+    undo = _installs.patch(module, "flag", lambda original, on: False)
+    assert module.flag is False and undo() is True and module.flag is True
