@@ -25,6 +25,8 @@ Topics and what each publishes (positional arguments):
   runs eager under its checkpoint from the next call (``weave.keep_checkpoint``).
 - ``GRAPH_COMPILED``: ``(graph,)``, a woven region's backend compiled (or ran eager) one graph
   dynamo handed it (``weave.pieces.CompiledGraph``); published only while someone listens.
+- ``PLAIN_COMPILED``: ``(module, compiled)``, ``torch.compile`` (or ``module.compile()``) made
+  ``compiled`` of ``module``, before any dispatcher exists; published only while someone listens.
 - ``AT_LIMIT``: ``(label,)``, a woven region under an eager checkpoint is at dynamo's recompile
   limit and runs eager the calls none of its graphs fits (``_compat.regions.lookups_in_order``).
 """
@@ -45,6 +47,7 @@ PLAN_RECORDED = "plan-recorded"
 AC_KEPT = "ac-kept"
 AT_LIMIT = "at-limit"
 GRAPH_COMPILED = "graph-compiled"
+PLAIN_COMPILED = "plain-compiled"
 
 # The state values a ``MOVED`` listener compares with (``dispatch.dispatchers.State``).
 PLAIN = "plain"

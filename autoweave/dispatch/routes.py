@@ -18,11 +18,10 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoweave import _compat, _installs, _instances
+from autoweave import _compat, _events, _installs, _instances
 from autoweave._failopen import guard
 from autoweave._log import logger
 from autoweave.dispatch.dispatchers import State, _compile_function, _Dispatcher
-from autoweave.observe import report
 from autoweave.weave import keep_checkpoint
 
 _off: contextvars.ContextVar[bool] = contextvars.ContextVar("autoweave_off", default=False)
@@ -53,7 +52,8 @@ def route_compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     # torch's own compile first, outside any guard: what it rejects (a bad
     # backend, conflicting options) raises here, with torch's error, as without us.
     compiled = wrapped(*args, **kwargs)
-    report.count_plain(model, compiled)
+    if _events.listened(_events.PLAIN_COMPILED):  # the report counts the plain compile's graphs
+        _events.publish(_events.PLAIN_COMPILED, model, compiled)
     with guard(f"preparing the weave for {type(model).__name__}") as failed:
         _Dispatcher.attach_to_optimized(compiled, _compile_kwargs(args[1:], kwargs))
     if failed:
@@ -70,7 +70,8 @@ def route_module_compile(wrapped: Callable[..., Any], instance: Any, args: tuple
     # What nn.Module.compile does, done now and outside any guard: torch's
     # errors (a bad backend, conflicting options) raise at .compile(), as without us.
     plain = _compile_function(_compat.modules.call_impl(instance), **compile_kwargs)
-    report.count_plain(instance, plain)
+    if _events.listened(_events.PLAIN_COMPILED):
+        _events.publish(_events.PLAIN_COMPILED, instance, plain)
     with guard(f"preparing the weave for {type(instance).__name__}") as failed:
         dispatcher = _Dispatcher.attach_in_place(instance, compile_kwargs, plain)
         if (wrapper := _wrapper_of(instance)) is not None:

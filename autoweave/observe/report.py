@@ -202,6 +202,7 @@ class _Stats:
     def install(self) -> None:
         self._undos = [
             _events.subscribe(_events.GRAPH_COMPILED, self.on_graph),
+            _events.subscribe(_events.PLAIN_COMPILED, count_plain),  # before any dispatcher exists
             _compat.backends.listen_to_graphs(self._on_plain_graph),
             self.fallbacks.install().uninstall,
             graph_breaks.listening(self.break_sites).start().stop,  # the user's line of each graph break
