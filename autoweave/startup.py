@@ -207,9 +207,9 @@ def _on_torch_import(module: "Any") -> None:
         from autoweave.observe import report_exit
 
         report_exit.install(_settings.current())
-    with guard("applying TORCH_LOGS to the autoweave logger"):  # autoweave/observe/graph_breaks.py
+    with guard("applying TORCH_LOGS to the autoweave logger"):  # autoweave/sense/graph_breaks.py
         from autoweave import _log
-        from autoweave.observe import graph_breaks
+        from autoweave.sense import graph_breaks
 
         _log.name_summary_level()  # the plan summary's level, by name, while installed
         graph_breaks.register(_settings.current())

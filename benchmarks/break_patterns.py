@@ -33,7 +33,7 @@ from measure import eager_gemms  # benchmarks/measure.py, beside this script
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import autoweave
-from autoweave.observe import counting
+from autoweave.sense import counting
 
 HERE = Path(__file__).resolve().parents[1]
 

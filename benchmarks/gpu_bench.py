@@ -54,7 +54,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts  # noqa: E402
 
 import autoweave  # noqa: E402 - standard library only until enabled
-from autoweave.observe import counting
+from autoweave.sense import counting
 from tests.break_models import fsdp_like  # noqa: E402 - the FSDP-hook stand-in (a disabled pre-hook)
 
 tm = mv.tm

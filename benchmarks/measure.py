@@ -1,6 +1,6 @@
 """Benchmark-side measures: GEMMs run outside compiled graphs or in backward, and the C heap in use.
 
-The run-time side (graphs, ops, fallbacks) is ``autoweave.observe.counting``; these need
+The run-time side (graphs, ops, fallbacks) is ``autoweave.sense.counting``; these need
 the profiler or ctypes and only benchmarks and tests ask for them.
 """
 

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from autoweave import _compat, _taps
-from autoweave.observe import counting
+from autoweave.sense import counting
 
 
 class _Records(logging.Handler):

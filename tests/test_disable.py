@@ -110,7 +110,7 @@ def _assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
 def test_compiled_before_disable_and_first_called_after_runs_as_plain_torch(weave_on, how: str) -> None:
-    from autoweave.observe import counting
+    from autoweave.sense import counting
 
     torch.manual_seed(0)
     block, x = Block(), torch.randn(4, 8)
@@ -132,7 +132,7 @@ def test_compiled_before_disable_and_first_called_after_runs_as_plain_torch(weav
 
 
 def test_woven_before_disable_keeps_its_plan_and_its_results(weave_on) -> None:
-    from autoweave.observe import counting
+    from autoweave.sense import counting
 
     torch.manual_seed(0)
     block, x = Block(), torch.randn(4, 8)

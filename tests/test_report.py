@@ -19,6 +19,7 @@ import autoweave
 from autoweave import _compat, _instances, _log, _state
 from autoweave._settings import Settings
 from autoweave.observe import report, report_exit, summary
+from autoweave.sense import names
 from benchmarks.measure import forward_gemms_outside_graphs
 from tests.models import Block, Experts, RecompileLimitHits, make_break, recompiles, train_chain
 
@@ -50,8 +51,8 @@ def test_fold_names() -> None:
 
 
 def test_display_path_drops_wrapper_segments() -> None:
-    assert summary.display_path("_checkpoint_wrapped_module.moe.experts") == "moe.experts"
-    assert summary.display_path("_orig_mod._checkpoint_wrapped_module") == "<root>"
+    assert names.display_path("_checkpoint_wrapped_module.moe.experts") == "moe.experts"
+    assert names.display_path("_orig_mod._checkpoint_wrapped_module") == "<root>"
 
 
 def test_settings_report_variable() -> None:
@@ -90,7 +91,7 @@ def test_plan_log_folds_blocks_and_names_them(weave_on, caplog) -> None:
 
 
 class _ReferenceBackend:
-    """The test's own count of what dynamo hands a backend (not ``observe.counting``'s).
+    """The test's own count of what dynamo hands a backend (not ``sense.counting``'s).
 
     Every graph, and its ops: the ``call_function`` nodes of the graph and of the
     sub-graphs its higher-order ops call (a traced checkpoint's body).

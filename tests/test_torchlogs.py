@@ -15,7 +15,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
 from autoweave import _compat, _taps
-from autoweave.observe.graph_breaks import requested_level
+from autoweave.sense.graph_breaks import requested_level
 from tests.models import Block
 
 ROOT = Path(__file__).resolve().parents[1]

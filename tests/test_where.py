@@ -1,4 +1,4 @@
-"""Boundaries and graph breaks named by the user's file:line (autoweave/observe/graph_breaks.py), in one process."""
+"""Boundaries and graph breaks named by the user's file:line (autoweave/sense/graph_breaks.py), in one process."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 import autoweave
 from autoweave import _compat, _state
 from autoweave._compat import log_strings
-from autoweave.observe import graph_breaks, report, report_exit
+from autoweave.observe import report, report_exit
 from autoweave.planning import planner
+from autoweave.sense import graph_breaks
 from tests import models
 
 

@@ -57,9 +57,9 @@ from autoweave._state import run as _run
 from autoweave.dispatch import plan_inputs
 from autoweave.dispatch.first_call import FirstCall
 from autoweave.dispatch.states import _RUNS_REGIONS, _TRANSITIONS, State, Why
-from autoweave.observe import counting, summary
 from autoweave.planning import boundaries, kinds, planner
 from autoweave.planning.learned import hoist_reason
+from autoweave.sense import counting, names
 from autoweave.weave import apply
 
 
@@ -357,7 +357,7 @@ class _Dispatcher(FirstCall):
             _events.publish(_events.PLANNED, self, self.plan)
         warn_each(
             f"steady-state:{id(self)}",
-            f"[steady-state] {summary.name_of(self)}: dynamo compiled again at each of its last "
+            f"[steady-state] {names.name_of(self)}: dynamo compiled again at each of its last "
             f"{_compat.regions.STORM_CALLS} calls after warm-up (TORCH_LOGS=recompiles says which guard "
             "failed); it runs as plain torch.compile runs it from now on",
         )

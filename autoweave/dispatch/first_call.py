@@ -23,9 +23,9 @@ from autoweave._log import logger
 from autoweave._state import run as _run
 from autoweave.dispatch import plan_inputs
 from autoweave.dispatch.states import State, Why
-from autoweave.observe import counting, graph_breaks, summary
 from autoweave.planning import boundaries, planner
 from autoweave.planning.learned import learn_breaks, locate
+from autoweave.sense import counting, graph_breaks, names
 
 
 class FirstCall:
@@ -113,7 +113,7 @@ class FirstCall:
 
     def _on_failed_frames(self, failed: FailedFrames) -> None:
         """The first call ran, some frame eager in place of its compile: autoweave's failure, told once."""
-        name = summary.name_of(self)
+        name = names.name_of(self)
         for exc, code in failed.errors:
             logger.debug(
                 "%s: dynamo could not compile %s", name, getattr(code, "co_name", "a frame"), exc_info=exc
@@ -176,7 +176,7 @@ class FirstCall:
             logger.info(
                 "%s: dynamo still runs a checkpointed region eager (%s), a break the plan cannot "
                 "compile around; that region runs eager as in plain torch",
-                summary.name_of(self),
+                names.name_of(self),
                 "; ".join(sorted(set(located.values()))) or "location unknown",
             )
             return False
@@ -193,7 +193,7 @@ class FirstCall:
             self._learned = learned
             logger.info(
                 "%s: dynamo ran a checkpointed region eager at the first call (%s); woven from the next call on",
-                summary.name_of(self),
+                names.name_of(self),
                 "; ".join(sorted(set(located.values()))) or "location unknown",
             )
             # Applied at the next call, not now: this call's backward will

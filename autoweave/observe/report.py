@@ -10,7 +10,7 @@ collects:
   hands them to its backend, which stays the one torch built (``count_plain``).
 - for every compile in the process, autoweave's or not, what dynamo signalled:
   its compile callbacks, the recompile-limit warnings, checkpointed regions
-  that fell back to eager, and where graph breaks were (``observe.graph_breaks``).
+  that fell back to eager, and where graph breaks were (``sense.graph_breaks``).
 - what the dispatchers publish (``autoweave._events``), to which the collector
   subscribes while it runs: recorded plans name its regions, first-call
   fallbacks woven around are counted.
@@ -47,7 +47,8 @@ from autoweave._compat.log_strings import RecompileLimit
 from autoweave._failopen import RAN_EAGER
 from autoweave._log import logger, rank, world_size
 from autoweave._state import run
-from autoweave.observe import counting, graph_breaks, summary, trace
+from autoweave.observe import summary, trace
+from autoweave.sense import counting, graph_breaks, names
 from autoweave.weave.pieces import CompiledGraph, RegionBackend, graph_name, ops_in
 
 # -- counting what compiled -----------------------------------------------------------------
@@ -341,7 +342,7 @@ class _Stats:
         if not entry.plan.woven and (plain := self.regions.get(entry.plain_label)) is not None:
             regions.append(("", plain))
         for path, region in regions:
-            shown = summary.join_path(entry.shown, path)
+            shown = names.join_path(entry.shown, path)
             if shown not in region.modules:
                 region.modules.append(shown)
 

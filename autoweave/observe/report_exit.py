@@ -32,8 +32,9 @@ from typing import Any
 from autoweave import _events, _installs
 from autoweave._log import logger, rank
 from autoweave._state import run
-from autoweave.observe import graph_breaks, report, summary, trace
+from autoweave.observe import report, summary, trace
 from autoweave.observe.report import _Stats
+from autoweave.sense import graph_breaks
 
 _REGIONS_SHOWN = 4  # the exit summary lists the regions slowest to compile, up to this many
 

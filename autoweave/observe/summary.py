@@ -26,15 +26,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from autoweave import _compat, _events
+from autoweave import _events
 from autoweave._failopen import guard
-from autoweave._instances import dispatcher_of
 from autoweave._log import SUMMARY, logger, rank, world_size
 from autoweave._state import run
 from autoweave.planning import plans, sources
 from autoweave.planning.plans import Action, Plan
-
-_WRAPPER_SEGMENTS = re.compile(r"(^|\.)(" + "|".join(_compat.modules.WRAPPED_CHILD_ATTRS) + r")(?=\.|$)")
+from autoweave.sense import names
 
 _VERBS = {
     Action.PLAIN: "plain torch.compile",
@@ -48,17 +46,6 @@ _VERBS = {
 
 
 # -- formatting ---------------------------------------------------------------------------
-
-
-def display_path(path: str) -> str:
-    """A plan path as the user names it (wrapper segments dropped, like state_dict keys)."""
-    return _WRAPPER_SEGMENTS.sub("", path).strip(".") or "<root>"
-
-
-def join_path(name: str, path: str) -> str:
-    """A decision's path shown under the compiled module's name (``layers.3.moe.experts``)."""
-    shown = display_path(path)
-    return name or shown if shown == "<root>" else (f"{name}.{shown}" if name else shown)
 
 
 def region_notes(label: str | None) -> list[str]:
@@ -90,13 +77,13 @@ def _decision_lines(
 ) -> list[str]:
     lines = []
     for decision in plan.decisions:
-        shown = display_path(decision.path)
+        shown = names.display_path(decision.path)
         depth = 0 if shown == "<root>" else shown.count(".") + 1
         action = f"{_VERBS[decision.action]}: {decision.reason}"
         label = (regions or {}).get(decision.path)
         status = region_ran(label, ran) if decision.region else None
         lines.append(
-            f"{indent}{'  ' * depth}{join_path(name, decision.path)} [{decision.module_type}] "
+            f"{indent}{'  ' * depth}{names.join_path(name, decision.path)} [{decision.module_type}] "
             + (f"{status}; planned {action}" if status else action)
         )
         lines.extend(f"{indent}{'  ' * (depth + 1)}note: {note}" for note in region_notes(label))
@@ -155,7 +142,7 @@ class Entry:
         """``name``, after its model's when several models planned (``Policy.layers.3``)."""
         if not self.name or self.model is None:
             return self.name
-        prefix = model_names().get(self.model)
+        prefix = names.model_names().get(self.model)
         return f"{prefix}.{self.name}" if prefix else self.name
 
     @property
@@ -199,16 +186,6 @@ class Entry:
         }
 
 
-def model_names() -> dict[tuple[str, int], str]:
-    """How each model is named in front of its modules: nothing with one model, else its class (#index)."""
-    with _lock:
-        models = {e.model for e in run.plans.values() if e.model is not None and e.name}
-    if len(models) < 2:
-        return {}
-    per_class = Counter(cls for cls, _ in models)
-    return {(cls, i): cls if per_class[cls] == 1 else f"{cls}#{i}" for cls, i in models}
-
-
 def _fold(entries: list[Entry]) -> str:
     """The entries' names folded (``layers.1-3``), model by model: two models' layers never fold into one."""
     by_model: dict[Any, list[str]] = {}
@@ -245,75 +222,6 @@ def format_summary(entries: list[Entry], *, covers: str = "") -> str:
             else:
                 lines.append(f"  {len(rest)} more × {first.type_name}: same plan")
     return "\n".join(lines)
-
-
-# -- naming a compile target in the whole model -------------------------------------------
-
-
-def inner_type(module: Any) -> str:
-    """The user's module type under compile / checkpoint / FSDP1 wrappers."""
-    return type(sources._user_module(module)).__name__  # the unwrapping the plan's sources use
-
-
-def _path_in(owner: Any, module: Any) -> str | None:
-    return next((name for name, child in owner.named_modules() if child is module), None)
-
-
-# Wrappers frameworks put around the user's model, and the attribute holding it: not part of
-# the names the user wrote (DDP's ``module.``, as accelerate's and Lightning's DDP paths wrap;
-# Lightning Fabric's ``_forward_module.``). By class name: no framework is imported for it.
-_FRAMEWORK_WRAPPERS = {"DistributedDataParallel": "module", "_FabricModule": "_forward_module"}
-
-
-def _without_framework_wrapper(owner: Any, path: str) -> str:
-    """``path`` (of a module under ``owner``) without the segment of a framework's wrapper."""
-    head, _, rest = path.partition(".")
-    return rest if _FRAMEWORK_WRAPPERS.get(type(owner).__name__) == head else path
-
-
-def _locate(target: Any, dispatcher: Any, frame: Any) -> tuple[str, Any]:
-    """``layers.3``: where ``target`` sits in the model whose forward calls it now, and that model.
-
-    Best effort: walks the calling frames outward from ``frame``; each frame whose
-    ``self`` is a module holding the one found so far extends the name. ("", None)
-    when no caller holds it (a module compiled and called on its own).
-    """
-    import torch.nn as nn
-
-    current: Any = None
-    path = ""
-    for _ in range(256):
-        if frame is None:
-            break
-        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if isinstance(owner, nn.Module) and owner is not current:
-            if current is None:
-                if owner is target or (dispatcher is not None and dispatcher_of(owner) is dispatcher):
-                    current = owner
-                elif found := _path_in(owner, target):
-                    # Called from a module holding it (a block compiled in place inside
-                    # its checkpoint wrapper is first called from the wrapper's forward).
-                    path, current = found, owner
-            elif found := _path_in(owner, current):
-                path = ".".join(p for p in (_without_framework_wrapper(owner, found), path) if p)
-                current = owner
-        frame = frame.f_back
-    shown = display_path(path)
-    # "<root>": no path, or only wrapper segments: no name but its type.
-    return ("", None) if shown == "<root>" else (shown, current)
-
-
-def _model_of(root: Any) -> tuple[str, int] | None:
-    """The model ``root`` is: its class's name and its index among the models of that class."""
-    if root is None:
-        return None
-    with _lock:
-        known = run.models.get(root)
-        if known is None:
-            cls = inner_type(root)
-            known = (cls, sum(1 for c, _ in run.models.values() if c == cls))
-            run.models[root] = known
-    return known
 
 
 # -- the plan summary ---------------------------------------------------------------------
@@ -358,14 +266,14 @@ def record_plan(dispatcher: Any, plan: Plan, *, plain_label: str | None = None) 
         rank()  # remember the process group's rank while it exists: the summary may come at exit
         target = dispatcher.target
         applied = getattr(dispatcher, "_applied", None)
-        name, root = _locate(target, dispatcher, sys._getframe(1))
+        name, root = names.locate(target, dispatcher, sys._getframe(1))
         entry = Entry(
             name=name,
-            type_name=inner_type(target),
+            type_name=names.inner_type(target),
             plan=plan,
             regions=dict(applied.regions) if applied is not None else {},
             plain_label=plain_label,
-            model=_model_of(root),
+            model=names.model_of(root),
             dispatcher=_weak(dispatcher),
         )
         with _lock:
@@ -467,19 +375,11 @@ def format_replans(changes: list[tuple[Entry, Entry]]) -> list[str]:
     return lines
 
 
-def name_of(dispatcher: Any) -> str:
-    """How the summary names a compile target: ``layers.3 (Block)``, or its type alone."""
-    with _lock:
-        entry = run.plans.get(id(dispatcher))
-    type_name = inner_type(dispatcher.target)
-    return f"{entry.full_name} ({type_name})" if entry is not None and entry.name else type_name
-
-
 def decision_records(entry: Entry) -> list[dict[str, Any]]:
     """An entry's decisions as the report and the structured trace write them (JSON-ready)."""
     return [
         {
-            "path": join_path(entry.full_name, d.path),
+            "path": names.join_path(entry.full_name, d.path),
             "type": d.module_type,
             "action": d.action.value,
             "reason": d.reason,

@@ -39,6 +39,7 @@ from autoweave._log import logger
 from autoweave._state import run
 from autoweave.observe import summary
 from autoweave.planning import sources
+from autoweave.sense import names
 
 PLAN_ARTIFACT = "autoweave_plan"
 REGION_ARTIFACT = "autoweave_region"
@@ -65,7 +66,7 @@ def plan_payload(entry: summary.Entry) -> dict[str, Any]:
         **entry.record(summary.format_plan(plan, name=entry.full_name, type_name=entry.type_name)),
         "boundaries": [
             {
-                "path": summary.join_path(entry.full_name, path),
+                "path": names.join_path(entry.full_name, path),
                 "kind": kind,
                 "source": sources.source_dict(plan, path),
             }

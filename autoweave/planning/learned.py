@@ -21,7 +21,7 @@ Breaks: where dynamo broke a checkpointed region, its user stack mapped to the
 modules that hold it. When dynamo cannot trace a checkpoint as one graph it logs
 (INFO) that it falls back to eager, then logs the ``Unsupported`` error itself,
 with the user's frames from the compiled frame down to the break (read by
-``observe.counting.FallbackCounter`` as ``FallbackBreak``s). The innermost frame
+``sense.counting.FallbackCounter`` as ``FallbackBreak``s). The innermost frame
 that runs a module's forward names the module that breaks (``locate``): the
 planner then treats it as a boundary and compiles around it.
 

@@ -74,7 +74,7 @@ def break_frames(found: Break) -> list[Frame]:
     """Where a graph break is in the user's source: the frames of its stack in user files, innermost first.
 
     The one reading of a break's place: the report names the first of these
-    (``observe.graph_breaks``), the planner the first that lies in a module's
+    (``sense.graph_breaks``), the planner the first that lies in a module's
     forward (``learned.locate``). A break logged without a stack in user
     code (dynamo logs a repeated one so) falls back to dynamo's own
     "in user code at" line, when that is the user's.

@@ -24,6 +24,7 @@ from autoweave import _compat
 from autoweave.dispatch import plan_inputs
 from autoweave.observe import summary
 from autoweave.planning import boundaries
+from autoweave.sense import names as sense_names
 
 SIMULATED = "FSDP unit (fully_shard, simulated)"
 DEFAULT_SHARD = ("experts",)
@@ -266,6 +267,6 @@ def explain(
         plan = plan_inputs.plan(
             plan_inputs.Request(target, fullgraph=fullgraph), mode=mode, strategy=strategy
         )
-        entries.append(summary.Entry(name=name, type_name=summary.inner_type(target), plan=plan))
+        entries.append(summary.Entry(name=name, type_name=sense_names.inner_type(target), plan=plan))
     head = f"autoweave explain: {type(model).__name__} on meta; {how}; torch.compile(block) per block"
     return head + "\n" + summary.format_summary(entries)

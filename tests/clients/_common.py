@@ -19,7 +19,7 @@ Measured, per run:
   of this process and of its waited-for children (compiler subprocesses), summed over the ranks
   (``cpu_seconds``, ``sum_over_ranks``);
 - ``fallbacks``: dynamo's "will fall back to eager-mode PyTorch" messages (AC regions that
-  ran eager), counted by ``autoweave.observe.counting.FallbackCounter``;
+  ran eager), counted by ``autoweave.sense.counting.FallbackCounter``;
 - ``graph_breaks``: ``counters["graph_break"]``, reasons included;
 - ``recompile_limit_hits``: dynamo's recompile-limit warnings;
 - ``fwd_gemms_eager``/``fwd_gemms_compiled``: GEMMs of one profiled forward outside/inside
@@ -111,7 +111,7 @@ class Metrics:
         import torch._dynamo  # noqa: F401
         from torch._dynamo.backends import registry
 
-        from autoweave.observe.counting import FallbackCounter
+        from autoweave.sense.counting import FallbackCounter
 
         self.fallbacks = FallbackCounter().install()
         logging.getLogger("torch._dynamo").addHandler(self.limits)

@@ -17,10 +17,10 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 import autoweave
 from autoweave import _state
 from autoweave.dispatch import dispatchers
-from autoweave.observe import counting
 from autoweave.planning import checkpoint_calls, planner
 from autoweave.planning.learned import hoist_reason
 from autoweave.planning.plans import Action
+from autoweave.sense import counting
 from benchmarks.measure import forward_gemms_outside_graphs as _eager_gemms
 from tests import break_models as bm
 from tests.models import make_break

@@ -21,8 +21,8 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 import autoweave
 from autoweave import _compat, _taps
 from autoweave._compat.log_strings import Fallback, FallbackBreak, GraphBreak, RecompileLimit, WontConvert
-from autoweave.observe import graph_breaks
 from autoweave.planning import sources
+from autoweave.sense import graph_breaks
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 import autoweave
 from autoweave import _state
 from autoweave.dispatch import dispatchers
-from autoweave.observe import counting
+from autoweave.sense import counting
 from tests.break_models import BreakBlock
 from tests.compile.test_layer_state import Cache, Experts, _decorated
 from tests.models import Block, RecompileLimitHits, make_break, train_steps

@@ -18,7 +18,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 import autoweave
 from autoweave import _state
 from autoweave.dispatch import dispatchers
-from autoweave.observe import counting
+from autoweave.sense import counting
 from tests.models import Block
 
 

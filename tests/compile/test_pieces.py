@@ -22,8 +22,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 import autoweave
 from autoweave import _state
 from autoweave.dispatch import dispatchers
-from autoweave.observe import counting, summary
+from autoweave.observe import summary
 from autoweave.planning.plans import Action
+from autoweave.sense import counting
 from benchmarks.measure import forward_gemms_outside_graphs as _gemms_outside_graphs
 from tests import break_models as bm
 

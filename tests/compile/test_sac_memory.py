@@ -24,8 +24,9 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
 from autoweave.dispatch import dispatchers
-from autoweave.observe import counting, summary
+from autoweave.observe import summary
 from autoweave.planning.plans import Action
+from autoweave.sense import counting
 from autoweave.weave import first_call_memory
 from benchmarks.measure import backward_gemms, forward_gemms_outside_graphs, heap_in_use
 from tests import break_models as bm

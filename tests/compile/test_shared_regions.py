@@ -12,7 +12,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 import autoweave
 from autoweave import _state
 from autoweave.dispatch import dispatchers
-from autoweave.observe import counting
+from autoweave.sense import counting
 from tests.break_models import Stack, save_matmuls
 from tests.models import Block
 

@@ -119,7 +119,7 @@ def test_a_re_plan_after_the_summary_is_one_line_saying_what_changed(
 
 def _call_as(model: nn.Module, dispatcher: SimpleNamespace, plan: planner.Plan) -> None:
     # The summary names a target by the modules whose forwards are calling it: be one.
-    self = model  # noqa: F841 - read from this frame by summary._locate (a plan recorded from here)
+    self = model  # noqa: F841 - read from this frame by sense.names.locate (a plan recorded from here)
     summary.record_plan(dispatcher, plan)
 
 
@@ -158,7 +158,7 @@ class DisabledBodyLayer(nn.Module):
 
 def test_a_region_that_compiled_no_graph_is_not_said_to_be_compiled(caplog: pytest.LogCaptureFixture) -> None:
     # The plan says the layers' inner forward is "compiled, split at boundaries"; it ran eager.
-    from autoweave.observe import counting
+    from autoweave.sense import counting
     from tests import break_models as bm
 
     torch.manual_seed(0)

@@ -18,8 +18,8 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 import autoweave
 from autoweave._state import run
 from autoweave.dispatch import dispatchers, plan_inputs
-from autoweave.observe import counting
 from autoweave.planning.plans import Action
+from autoweave.sense import counting
 from benchmarks.measure import forward_gemms_outside_graphs
 from tests import break_models as bm
 from tests.models import train_steps

@@ -12,8 +12,8 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
 from autoweave.dispatch import dispatchers
-from autoweave.observe import counting
 from autoweave.planning.plans import Action
+from autoweave.sense import counting
 from benchmarks.measure import forward_gemms_outside_graphs
 from tests.models import Block, RecompileLimitHits, make_break, train_chain
 

@@ -69,16 +69,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.weave.keep_checkpoint",
         "autoweave.weave.apply",
     ),
-    # observe/: what dynamo says (counting, graph-break places, TORCH_LOGS) and what autoweave
-    # reports (the plan summary, the structured trace, the run report).
+    # sense/: what the machine senses of dynamo and the model (counting, graph-break places and
+    # TORCH_LOGS, a compiled module's name in its model), below the hot path that acts on it.
     (
-        "autoweave.observe",
-        "autoweave.observe.counting",
-        "autoweave.observe.graph_breaks",
-        "autoweave.observe.summary",
-        "autoweave.observe.trace",
-        "autoweave.observe.report",
-        "autoweave.observe.report_exit",
+        "autoweave.sense",
+        "autoweave.sense.counting",
+        "autoweave.sense.graph_breaks",
+        "autoweave.sense.names",
     ),
     # dispatch/: the hot path. The tree watch, the context probe and the planner's inputs, dispatchers
     # behind compiled modules, the routes, the patches on torch.
@@ -91,6 +88,16 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autoweave.dispatch.dispatchers",
         "autoweave.dispatch.routes",
         "autoweave.dispatch.patches",
+    ),
+    # observe/: what autoweave reports (the plan summary, the structured trace, the run report,
+    # the exit report), on top of the hot path: it subscribes to ``_events``, which the hot path
+    # publishes, and the hot path imports none of it.
+    (
+        "autoweave.observe",
+        "autoweave.observe.summary",
+        "autoweave.observe.trace",
+        "autoweave.observe.report",
+        "autoweave.observe.report_exit",
     ),
     # Wiring: start-up.
     ("autoweave.startup",),
@@ -152,8 +159,8 @@ def _layer_of(module: str) -> int:
 def test_each_folder_is_one_layer() -> None:
     # The tree shows the architecture: every module of a subpackage sits in that
     # subpackage's layer, and the layers run root foundations -> plan -> weave ->
-    # observe -> dispatch -> entry points.
-    folders = ("planning", "weave", "observe", "dispatch")
+    # sense -> dispatch -> observe (reporting) -> entry points.
+    folders = ("planning", "weave", "sense", "dispatch", "observe")
     layers = []
     for folder in folders:
         members = {

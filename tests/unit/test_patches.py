@@ -319,7 +319,7 @@ def test_disabled_context_nests_and_resets_on_error() -> None:
 
 
 def test_functions_pass_straight_through() -> None:
-    from autoweave.observe import counting
+    from autoweave.sense import counting
 
     autoweave.enable()
     calls = []
