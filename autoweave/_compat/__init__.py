@@ -6,7 +6,8 @@ instead of a traceback deep inside a patch (tests/unit/test_layers.py keeps
 them here). Each module states the torch range it holds for and the upstream
 issue that would retire it, at the workaround:
 
-- ``lookup``: finding a torch name by path; ``UnsupportedTorch``.
+- ``lookup``: finding a torch name by path, and the one registry of the names the others
+  declare where they use them (``need``), which ``version`` checks; ``UnsupportedTorch``.
 - ``modules``: private attributes of torch's modules and wrappers (OptimizedModule,
   CheckpointWrapper, FSDP, nn.Module's stores and hooks).
 - ``dynamo``: dynamo's counters, callbacks, code resets, the compile in progress, stances,

@@ -30,20 +30,23 @@ API). Where they are missing nothing is read and nothing splits.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from autoweave import _installs
-from autoweave._compat.lookup import UnsupportedTorch, find, find_optional
+from autoweave._compat.lookup import UnsupportedTorch, find, find_optional, need
+
+_LOOKUP_BACKEND = need("torch._dynamo.backends.registry.lookup_backend")
+_INDUCTOR_WRAPPER = need("torch._TorchCompileInductorWrapper")
+_COMPILE_WRAPPER = need("torch._TorchCompileWrapper")
 
 
 def lookup_backend(backend: Any) -> Any:
     """A backend by name, as torch.compile resolves it (``aot_eager`` -> its callable)."""
-    from torch._dynamo.backends.registry import lookup_backend as lookup
-
-    return lookup(backend)
+    return find(_LOOKUP_BACKEND)(backend)
 
 
 def compile_backend(
@@ -57,12 +60,12 @@ def compile_backend(
     if mode is None and options is None:
         mode = "default"
     if backend is None or backend == "inductor":
-        wrapper = find("torch._TorchCompileInductorWrapper")
+        wrapper = find(_INDUCTOR_WRAPPER)
         try:
             return wrapper(mode, options, dynamic, name)
         except TypeError:  # torch before the `name` argument
             return wrapper(mode, options, dynamic)
-    return find("torch._TorchCompileWrapper")(backend, mode, options, dynamic)
+    return find(_COMPILE_WRAPPER)(backend, mode, options, dynamic)
 
 
 # What each autotuning mode is without its autotuning: its other options kept (CUDA graphs).
@@ -145,11 +148,14 @@ RESUME_PREFIX = "__resume_at_"
 _GUARDED_ATTRIBUTE = re.compile(r"\.([A-Za-z_]\w*)\s*(?:==|!=|is\b)")
 
 
+# The C name: ``torch._dynamo.eval_frame``'s function of that name only forwards to it.
+_CACHE_ENTRY_LIST = need("torch._C._dynamo.eval_frame._debug_get_cache_entry_list", required=False)
+
+
 @functools.cache
 def _cache_entry_list() -> Callable[..., list[Any]] | None:
     # Looked up once: ``regions.lookups_in_order`` asks on every woven call inside an eager checkpoint.
-    # The C name: ``torch._dynamo.eval_frame``'s function of that name only forwards to it.
-    return find_optional("torch._C._dynamo.eval_frame._debug_get_cache_entry_list")
+    return find_optional(_CACHE_ENTRY_LIST)
 
 
 def cache_entries(code: Any) -> list[Any]:
@@ -231,7 +237,7 @@ def compile_wrapper_of(compiled: Any) -> Any:
     return next((b for b in within if isinstance(b, wrappers)), None)  # isinstance(b, ()) is False
 
 
-_COMPILE_WRAPPERS = ("torch._TorchCompileWrapper", "torch._TorchCompileInductorWrapper")
+_COMPILE_WRAPPERS = (_COMPILE_WRAPPER, _INDUCTOR_WRAPPER)
 
 
 # Handing a graph to its backend: dynamo's compile callbacks carry a compile id, never the
@@ -240,8 +246,20 @@ _COMPILE_WRAPPERS = ("torch._TorchCompileWrapper", "torch._TorchCompileInductorW
 # dynamo hands a backend its graph, ``OutputGraph.call_user_compiler(self, gm,
 # example_inputs)`` (2.11-2.15; ``self.compiler_fn`` is the backend), is wrapped while
 # someone listens. No upstream issue asks for a public graph callback that we found.
-HANDOFF_MODULE = "torch._dynamo.output_graph"
+HANDOFF_MODULE = need("torch._dynamo.output_graph", required=False)
 _HANDOFF = "call_user_compiler"
+
+
+def _handoff_takes_graph() -> bool:
+    code = getattr(inspect.unwrap(getattr(find(_OUTPUT_GRAPH), _HANDOFF, None)), "__code__", None)
+    return code is not None and code.co_varnames[:3] == ("self", "gm", "example_inputs")
+
+
+_OUTPUT_GRAPH = need(
+    f"{HANDOFF_MODULE}.OutputGraph",
+    what="torch._dynamo.output_graph.OutputGraph.call_user_compiler(self, gm, example_inputs)",
+    probe=_handoff_takes_graph,
+)
 
 
 def listen_to_graphs(listener: Callable[[Any, Any], Any]) -> Callable[[], None]:

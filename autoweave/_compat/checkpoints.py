@@ -15,17 +15,38 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from autoweave._compat.lookup import UnsupportedTorch, find, find_optional
+from autoweave._compat.lookup import UnsupportedTorch, find, find_optional, need, need_source
 
 # The metadata key on a checkpoint body's GraphModule that carries the selective-AC policy,
 # read by ``tag_activation_checkpoint``'s implementation (torch/_higher_order_ops/wrap.py).
 CHECKPOINT_CONTEXT_FN_KEY = "_checkpoint_context_fn"
+_TAG_ACTIVATION_CHECKPOINT = need("torch._higher_order_ops.wrap.tag_activation_checkpoint")
+need_source(
+    f"the checkpoint operator's {CHECKPOINT_CONTEXT_FN_KEY!r} key",
+    "torch._higher_order_ops.wrap",
+    CHECKPOINT_CONTEXT_FN_KEY,
+)
+# What a checkpoint's recompute reads to find its forward (``eager_checkpoint_frame``).
+_CHECKPOINT = need_source(
+    "the recompute hook's 'target_frame_ref'", "torch.utils.checkpoint", "target_frame_ref"
+)
+_CHECKPOINTED_FUNCTION = need("torch.utils.checkpoint._CheckpointedFunction", required=False)
+_EAGER_CHECKPOINT_HOOKS = (
+    need("torch.utils.checkpoint._checkpoint_hook", required=False),
+    need("torch.utils.checkpoint._recomputation_hook", required=False),
+)
+_SAC_FORWARD_MODE = need("torch.utils.checkpoint._CachingTorchDispatchMode", required=False)
+_SAC_CONTEXT = need("torch.utils.checkpoint.SelectiveCheckpointContext", required=False)
+_SAC_CONTEXTS = need("torch.utils.checkpoint.create_selective_checkpoint_contexts", required=False)
+_DISPATCH_MODE = need("torch.utils._python_dispatch.TorchDispatchMode", required=False)
+_FAKE_TENSOR_MODE = need("torch._subclasses.fake_tensor.FakeTensorMode", required=False)
+_IS_FAKE = need("torch._subclasses.fake_tensor.is_fake", required=False)
 
 
 @functools.cache
 def tag_activation_checkpoint() -> Any:
     """torch's checkpoint operator for compiled graphs: what dynamo emits for a traced ``checkpoint``."""
-    return find("torch._higher_order_ops.wrap.tag_activation_checkpoint")
+    return find(_TAG_ACTIVATION_CHECKPOINT)
 
 
 @functools.cache
@@ -35,7 +56,7 @@ def checkpointed_function_class() -> type | None:
     Private: the decorator form returns it and nothing public names it. Needed until
     dynamo traces it as its checkpoint operator.
     """
-    return find_optional("torch.utils.checkpoint._CheckpointedFunction")
+    return find_optional(_CHECKPOINTED_FUNCTION)
 
 
 def saved_tensors_hooks_active() -> bool:
@@ -62,8 +83,9 @@ def _top_saved_tensors_hooks(unknown: Any = None) -> Any:
 @functools.cache
 def _eager_checkpoint_hook_classes() -> tuple[str, ...]:
     """Qualified-name prefixes of the pack hooks torch's eager checkpoint installs (forward, recompute)."""
-    names = ("torch.utils.checkpoint._checkpoint_hook", "torch.utils.checkpoint._recomputation_hook")
-    return tuple(f"{cls.__qualname__}." for cls in map(find_optional, names) if cls is not None)
+    return tuple(
+        f"{cls.__qualname__}." for cls in map(find_optional, _EAGER_CHECKPOINT_HOOKS) if cls is not None
+    )
 
 
 def in_eager_checkpoint() -> bool:
@@ -76,9 +98,9 @@ def in_eager_checkpoint() -> bool:
     if not hooks or not prefixes:
         return False
     pack = hooks[0]
-    return getattr(pack, "__module__", None) == "torch.utils.checkpoint" and getattr(
-        pack, "__qualname__", ""
-    ).startswith(prefixes)
+    return getattr(pack, "__module__", None) == _CHECKPOINT and getattr(pack, "__qualname__", "").startswith(
+        prefixes
+    )
 
 
 def eager_checkpoint_frame() -> tuple[Any, bool] | None:
@@ -154,7 +176,7 @@ def as_recompute_sees(
 
 @functools.cache
 def _sac_forward_mode() -> type | None:
-    return find_optional("torch.utils.checkpoint._CachingTorchDispatchMode")
+    return find_optional(_SAC_FORWARD_MODE)
 
 
 @functools.cache
@@ -165,7 +187,7 @@ def policy_sees_outputs() -> bool:
     ``SelectiveCheckpointContext(*, is_recompute)``, seen on an H200); 2.13 passes
     it. Without it, what eager SAC keeps cannot be sized.
     """
-    context = find_optional("torch.utils.checkpoint.SelectiveCheckpointContext")
+    context = find_optional(_SAC_CONTEXT)
     try:
         return context is not None and hasattr(context(is_recompute=False), "op_output")
     except Exception:  # a context built another way: cannot tell, so not sized
@@ -222,13 +244,13 @@ def autograd_sequence_nr(node: Any) -> int | None:
 
 def is_dispatch_mode(value: Any) -> bool:
     """Is ``value`` a ``TorchDispatchMode`` (what a traced checkpoint needs its ``context_fn`` to return)?"""
-    mode_cls = find_optional("torch.utils._python_dispatch.TorchDispatchMode")
+    mode_cls = find_optional(_DISPATCH_MODE)
     return mode_cls is not None and isinstance(value, mode_cls)
 
 
 def selective_contexts_factory() -> Any:
     """torch's ``create_selective_checkpoint_contexts`` (None on a torch without it)."""
-    return find_optional("torch.utils.checkpoint.create_selective_checkpoint_contexts")
+    return find_optional(_SAC_CONTEXTS)
 
 
 def fake_tensor_mode() -> Any:
@@ -236,7 +258,7 @@ def fake_tensor_mode() -> Any:
 
     A real tensor a graph holds as a constant is made fake when an op meets it.
     """
-    return find("torch._subclasses.fake_tensor.FakeTensorMode")(allow_non_fake_inputs=True)
+    return find(_FAKE_TENSOR_MODE)(allow_non_fake_inputs=True)
 
 
 def storage_key(tensor: Any) -> Any:
@@ -267,6 +289,6 @@ def size_hint(value: Any) -> int | None:
 def is_fake(tensor: Any) -> bool:
     """Is ``tensor`` a fake tensor (dynamo's or AOTAutograd's tracing, or autoweave's own inspection)?"""
     try:
-        return bool(find("torch._subclasses.fake_tensor.is_fake")(tensor))
+        return bool(find(_IS_FAKE)(tensor))
     except UnsupportedTorch:
         return False

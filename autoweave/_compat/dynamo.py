@@ -35,7 +35,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
-from autoweave._compat.lookup import UnsupportedTorch, find, find_optional
+from autoweave._compat.lookup import UnsupportedTorch, find, find_optional, need, need_source
+
+_DYNAMO = need("torch._dynamo", required=False)
+_UTILS = need("torch._dynamo.utils", required=False)
+_COUNTERS = need("torch._dynamo.utils.counters")
+_EVAL_FRAME = need("torch._dynamo.eval_frame", required=False)
+_EXC = need("torch._dynamo.exc", required=False)
+# Read from the C module, these cost no ``import torch._dynamo`` (1.6 s of CPU), which a
+# process that never compiles must not pay.
+_C_FRAME = need("torch._C._dynamo.eval_frame", required=False)
 
 
 def dynamo_counters() -> dict[str, Any]:
@@ -43,13 +52,8 @@ def dynamo_counters() -> dict[str, Any]:
 
     {} too while dynamo is not imported: nothing compiled, and reading them must not import it.
     """
-    if "torch._dynamo.utils" not in sys.modules:
-        return {}
-    try:
-        from torch._dynamo.utils import counters
-    except Exception:  # pragma: no cover - private counters moved
-        return {}
-    return counters
+    counters = find_optional(_COUNTERS) if _UTILS in sys.modules else None
+    return {} if counters is None else counters
 
 
 def trace_structured(name: str, payload: Any) -> None:
@@ -68,9 +72,14 @@ def trace_structured(name: str, payload: Any) -> None:
 @functools.cache
 def torch_logging_internal() -> Any:
     """``torch._logging._internal`` when it has what ``observe.graph_breaks`` uses, else None."""
-    internal = find_optional("torch._logging._internal")  # None has none of the names: None
+    internal = find_optional(_LOGGING_INTERNAL)  # None has none of the names: None
     needed = ("log_registry", "register_log", "_is_torch_handler", "_setup_handlers")
     return internal if all(hasattr(internal, name) for name in needed) else None
+
+
+_LOGGING_INTERNAL = need(
+    "torch._logging._internal", what="torch._logging._internal (log registry)", probe=torch_logging_internal
+)
 
 
 def is_torch_log_handler(handler: Any) -> bool:
@@ -116,17 +125,18 @@ def skip_own_frame(fn: Any) -> bool:
         return False
     if _set_exec_strategy(code, skip=True):
         return True
-    skip_code = find_optional("torch._dynamo.eval_frame.skip_code")
+    skip_code = find_optional(_SKIP_CODE)
     if skip_code is None:
         return False
     skip_code(code)
     return True
 
 
-_C_FRAME = "torch._C._dynamo.eval_frame."
-# dynamo's ``skip_code`` is these three C names: read from the C module, they cost no
-# ``import torch._dynamo`` (1.6 s of CPU), which a process that never compiles must not pay.
-EXEC_STRATEGY = tuple(_C_FRAME + n for n in ("set_code_exec_strategy", "_FrameExecStrategy", "_FrameAction"))
+_SKIP_CODE = need("torch._dynamo.eval_frame.skip_code", required=False)
+# dynamo's ``skip_code`` is these three C names.
+EXEC_STRATEGY = tuple(
+    need(f"{_C_FRAME}.{name}") for name in ("set_code_exec_strategy", "_FrameExecStrategy", "_FrameAction")
+)
 
 
 def _set_exec_strategy(code: Any, *, skip: bool) -> bool:
@@ -148,11 +158,17 @@ def entries_made() -> int:
     only work is ``self.calls += 1`` compiles no graph but makes an entry, guarded on the new
     value, at every call (fuzzer seed 6099).
     """
-    utils = sys.modules.get("torch._dynamo.utils")
+    utils = sys.modules.get(_UTILS)
     if utils is None:
         return 0
     built = getattr(utils, "compilation_time_metrics", {}).get("build_guards", ())
     return int(utils.counters["stats"]["unique_graphs"]) + len(built)
+
+
+need("torch._dynamo.utils.compilation_time_metrics")
+# The dispatcher's watchdog counts entries by their guard builds.
+need_source("dynamo's 'build_guards' timing", "torch._dynamo.convert_frame", '"build_guards"')
+need_source("dynamo's per-error 'frame_exec_strategy'", _EXC, "frame_exec_strategy")
 
 
 def skip_with_callees(error: BaseException) -> bool:
@@ -171,15 +187,19 @@ def skip_with_callees(error: BaseException) -> bool:
     return True
 
 
-def disable(fn: Any, *, recursive: bool) -> Any:
-    import torch
+_DISABLE = need("torch._dynamo.disable")
 
-    return torch._dynamo.disable(fn, recursive=recursive)
+
+def disable(fn: Any, *, recursive: bool) -> Any:
+    return find(_DISABLE)(fn, recursive=recursive)
+
+
+_UNSUPPORTED = need("torch._dynamo.exc.Unsupported")
 
 
 @functools.cache
 def _fullgraph_break_class() -> type:
-    base = find("torch._dynamo.exc.Unsupported")
+    base = find(_UNSUPPORTED)
 
     class FullgraphBreak(base):  # type: ignore[misc, valid-type]
         """``fullgraph=True`` and a graph break autoweave does not compile around."""
@@ -283,11 +303,14 @@ def misses_decided(compiles: Callable[[Any], bool]) -> Iterator[None]:
         module._callback_from_stance = from_stance
 
 
+_TYPES = need("torch._dynamo.types", required=False)
+
+
 @functools.cache
 def _eager_once() -> Any:
     """A callback's answer that runs the frame eager for this call alone (the frames it calls as the
     callback says, nothing kept for its code); None where torch lacks these types."""
-    types_ = find_optional("torch._dynamo.types")
+    types_ = find_optional(_TYPES)
     strategy, action = getattr(types_, "FrameExecStrategy", None), getattr(types_, "FrameAction", None)
     returned = getattr(types_, "ConvertFrameReturn", None)
     if None in (strategy, action, returned):
@@ -298,20 +321,24 @@ def _eager_once() -> Any:
 @functools.cache
 def _eval_frame() -> Any:
     # Asked on every call of a pieces block (``weave.apply``): the module once, its stance each time.
-    return find_optional("torch._dynamo.eval_frame")
+    return find_optional(_EVAL_FRAME)
 
 
-COMPILE_CALLBACKS_MODULE = "torch._dynamo.callback"
+COMPILE_CALLBACKS_MODULE = need("torch._dynamo.callback", required=False)
+_CALLBACK_HANDLER = need(f"{COMPILE_CALLBACKS_MODULE}.callback_handler")
 
 
 def compile_callbacks() -> Any:
     """dynamo's compile start/end callback registry, or None where torch lacks it (imports dynamo)."""
-    return find_optional(f"{COMPILE_CALLBACKS_MODULE}.callback_handler")
+    return find_optional(_CALLBACK_HANDLER)
+
+
+_RESET_CODE = need("torch._dynamo.reset_code")
 
 
 def reset_code(code: Any) -> bool:
     """Drop dynamo's cache entries for one code object (its next call recompiles); False if unsupported."""
-    reset = find_optional("torch._dynamo.reset_code")
+    reset = find_optional(_RESET_CODE)
     if reset is None:
         return False
     reset(code)
@@ -321,7 +348,19 @@ def reset_code(code: Any) -> bool:
 @functools.cache
 def dynamo_compile_code() -> Any:
     """The code of ``torch._dynamo.convert_frame._compile`` (None where it moved)."""
-    return getattr(inspect.unwrap(find_optional("torch._dynamo.convert_frame._compile")), "__code__", None)
+    return getattr(inspect.unwrap(find_optional(_COMPILE)), "__code__", None)
+
+
+def _compile_takes_code() -> bool:
+    code = dynamo_compile_code()
+    return code is not None and "code" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+
+
+_COMPILE = need(
+    "torch._dynamo.convert_frame._compile",
+    what="torch._dynamo.convert_frame._compile(code, ...)",
+    probe=_compile_takes_code,
+)
 
 
 def code_being_compiled() -> Any:
@@ -358,11 +397,11 @@ def _frame_running(target: Any) -> types.FrameType | None:
 # TESTED_TORCH; torch/_dynamo/eval_frame.py sets it on each compiled callable, and
 # variables/builder.py reads it before any other rule for a function).
 TRACE_AS = "_torchdynamo_inline"
+need_source(f"dynamo's inline hook {TRACE_AS!r}", _EVAL_FRAME, TRACE_AS)
 # What marks a ``torch._dynamo.disable``d function to a trace (a graph break at its call).
 DISABLED = "_torchdynamo_disable"
 
 
-_DYNAMO = "torch._dynamo"
 _waiting_for_dynamo: list[Callable[[], None]] = []
 _waiting_lock = threading.Lock()
 
@@ -387,6 +426,9 @@ def _run_waiting(_module: Any = None) -> None:
         then()
 
 
+_EVAL_FRAME_CALLBACK = need(f"{_C_FRAME}.get_eval_frame_callback", required=False)
+
+
 def outside_dynamo(fn: Callable[..., Any], *, traced_as: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run with dynamo's frame evaluation off; a trace that meets it traces ``traced_as``.
 
@@ -397,13 +439,11 @@ def outside_dynamo(fn: Callable[..., Any], *, traced_as: Callable[..., Any]) -> 
     Traced: an outer compile inlining this call meets ``traced_as`` (what plain
     torch.compile made) instead, never ``fn``, and no graph break.
     """
-    import torch
-
-    current_callback = find_optional("torch._C._dynamo.eval_frame.get_eval_frame_callback")
+    current_callback = find_optional(_EVAL_FRAME_CALLBACK)
     disabled: list[Callable[..., Any]] = []
     # Made once dynamo is imported (at once if it is): this may run when torch is imported,
     # in processes that never compile, and making it imports dynamo (1.6 s of CPU).
-    _when_dynamo_imported(lambda: disabled.append(torch._dynamo.disable(fn, recursive=True)))
+    _when_dynamo_imported(lambda: disabled.append(disable(fn, recursive=True)))
 
     # Called from eager code (every step's call) no frame evaluation is set, and turning
     # it off costs two eval-frame swaps a call: fn runs as it is. Only under a compile
@@ -418,7 +458,7 @@ def outside_dynamo(fn: Callable[..., Any], *, traced_as: Callable[..., Any]) -> 
         return disabled[0](*args, **kwargs)
 
     if current_callback is None or not skip_own_frame(wrapper):
-        wrapper = torch._dynamo.disable(fn, recursive=True)  # where torch lacks either name: always off
+        wrapper = disable(fn, recursive=True)  # where torch lacks either name: always off
         setattr(wrapper, DISABLED, False)
     else:
         functools.update_wrapper(wrapper, fn)
@@ -451,32 +491,54 @@ def backend_errors_dynamo_handles() -> tuple[type[BaseException], ...]:
     error, raised as such), and turns the fake-tensor exceptions in
     ``exceptions_allowed_to_be_fallback`` into a graph break.
     """
-    names = ("RestartAnalysis", "SkipFrame", "ShortenTraceback")
     found: list[type[BaseException]] = [IndexError]
-    found += [t for t in (find_optional(f"torch._dynamo.exc.{name}") for name in names) if t is not None]
+    found += [t for t in map(find_optional, _HANDLED_ERRORS) if t is not None]
     with suppress(UnsupportedTorch, TypeError):
-        found.extend(find("torch._dynamo.exc.exceptions_allowed_to_be_fallback"))
+        found.extend(find(_FALLBACK_ERRORS))
     return tuple(found)
+
+
+_HANDLED_ERRORS = tuple(
+    need(f"{_EXC}.{name}", required=False) for name in ("RestartAnalysis", "SkipFrame", "ShortenTraceback")
+)
+_FALLBACK_ERRORS = need(f"{_EXC}.exceptions_allowed_to_be_fallback", required=False)
+_BACKEND_FAILED = need(f"{_EXC}.BackendCompilerFailed", required=False)
 
 
 def backend_failed() -> tuple[type[BaseException], ...]:
     """A backend's own compile failure, as dynamo's backends raise it (inductor: ``InductorError``)."""
-    found = find_optional("torch._dynamo.exc.BackendCompilerFailed")
+    found = find_optional(_BACKEND_FAILED)
     return () if found is None else (found,)
 
 
 @functools.cache
 def convert_frame_call_code() -> Any:
     """The code of dynamo's ``ConvertFrame.__call__`` (None where it moved)."""
-    convert_frame = find_optional("torch._dynamo.convert_frame.ConvertFrame")
+    convert_frame = find_optional(_CONVERT_FRAME)
     call = None if convert_frame is None else inspect.unwrap(convert_frame.__call__)
     return getattr(call, "__code__", None)
+
+
+def _call_takes_frame() -> bool:
+    code = convert_frame_call_code()
+    return code is not None and "frame" in code.co_varnames[: code.co_argcount]
+
+
+_CONVERT_FRAME = need(
+    "torch._dynamo.convert_frame.ConvertFrame",
+    what="torch._dynamo.convert_frame.ConvertFrame.__call__(frame, ...)",
+    probe=_call_takes_frame,
+)
 
 
 def converting_code() -> Any:
     """The code of the frame dynamo's ``ConvertFrame.__call__`` (up the stack) is converting, or None."""
     frame = _frame_running(convert_frame_call_code())
     return None if frame is None else getattr(frame.f_locals.get("frame"), "f_code", None)
+
+
+_CONFIG = need("torch._dynamo.config", required=False)
+need(f"{_CONFIG}.suppress_errors")
 
 
 @contextmanager
@@ -489,7 +551,7 @@ def suppressing_errors() -> Iterator[bool]:
     (``compile_again`` undoes it). The config is process-wide: another thread
     compiling meanwhile is suppressed too.
     """
-    config = find_optional("torch._dynamo.config")
+    config = find_optional(_CONFIG)
     if (
         config is None
         or convert_frame_call_code() is None

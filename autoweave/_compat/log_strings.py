@@ -21,24 +21,41 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from autoweave._compat import dynamo
+from autoweave._compat.lookup import need_source
 
+# Each logger is the module that logs, declared with the wording it must hold (``need_source``).
 # "<checkpoint> ... will fall back to eager-mode PyTorch": a traced checkpoint gave up
 # (``speculate_subgraph`` in torch/_dynamo/variables/higher_order_ops.py, at INFO); the
 # ``Unsupported`` error that made it give up is logged next, as the record's message.
 # TODO(pytorch#135816): read a structured "region fell back to eager" event instead, once there is one.
-FALLBACK_LOGGER = "torch._dynamo.variables.higher_order_ops"
 FALLBACK_NEEDLE = "fall back to eager-mode PyTorch"
+FALLBACK_LOGGER = need_source(
+    f"dynamo's fallback message {FALLBACK_NEEDLE!r}",
+    "torch._dynamo.variables.higher_order_ops",
+    FALLBACK_NEEDLE,
+)
 # dynamo's warning when a frame's cache is full and it runs eager from then on
 # ("torch._dynamo hit config.recompile_limit ...", torch/_dynamo/convert_frame.py).
-RECOMPILE_LIMIT_LOGGER = "torch._dynamo.convert_frame"
 RECOMPILE_LIMIT_NEEDLE = "hit config."
+RECOMPILE_LIMIT_LOGGER = need_source(
+    f"dynamo's recompile-limit message {RECOMPILE_LIMIT_NEEDLE!r}",
+    "torch._dynamo.convert_frame",
+    RECOMPILE_LIMIT_NEEDLE,
+)
 # dynamo's warning when it suppressed an error and runs the frame eager
 # (``format_error_msg`` in torch/_dynamo/exc.py, logged by ``ConvertFrame.__call__``).
-CONVERT_FRAME_LOGGER = "torch._dynamo.convert_frame"
 SUPPRESSED_NEEDLE = "WON'T CONVERT"
+need_source(
+    f"dynamo's suppressed-error message {SUPPRESSED_NEEDLE!r}", "torch._dynamo.exc", SUPPRESSED_NEEDLE
+)
+CONVERT_FRAME_LOGGER = RECOMPILE_LIMIT_LOGGER
 # dynamo's graph-break artifact logger (``getArtifactLogger(__name__, "graph_breaks")`` in
 # torch/_dynamo/symbolic_convert.py); one DEBUG record per graph break, with the user stack.
-GRAPH_BREAK_LOGGER = "torch._dynamo.symbolic_convert.__graph_breaks"
+# A logger, not an attribute: its module is declared, holding the artifact's name.
+_SYMBOLIC_CONVERT = need_source(
+    "dynamo's graph_breaks log artifact", "torch._dynamo.symbolic_convert", '"graph_breaks"'
+)
+GRAPH_BREAK_LOGGER = f"{_SYMBOLIC_CONVERT}.__graph_breaks"
 # The note dynamo adds to a break raised inside a checkpoint's body.
 HOP_CHECKPOINT_NOTE = "Higher Order Operator: torch.utils.checkpoint"
 

@@ -10,30 +10,41 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from typing import Any
 
-from autoweave._compat.lookup import find, find_optional
+from autoweave._compat.lookup import find, find_optional, need, need_any
+
+_OPTIMIZED_MODULE = need("torch._dynamo.eval_frame.OptimizedModule")
+CHECKPOINT_WRAPPER_MODULE = need(
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", required=False
+)
+_CHECKPOINT_WRAPPER = need(f"{CHECKPOINT_WRAPPER_MODULE}.CheckpointWrapper", what="CheckpointWrapper")
+# None: torch built without distributed.
+_FSDP2_MODULE = need_any(
+    "torch.distributed.fsdp.FSDPModule", "torch.distributed._composable.fsdp.FSDPModule", required=False
+)
+_FSDP1_MODULE = need("torch.distributed.fsdp.FullyShardedDataParallel", required=False)
 
 
 @functools.cache
 def optimized_module() -> type:
-    return find("torch._dynamo.eval_frame.OptimizedModule")
+    return find(_OPTIMIZED_MODULE)
 
 
 @functools.cache
 def checkpoint_wrapper_class() -> type:
-    return find("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper")
+    return find(_CHECKPOINT_WRAPPER)
 
 
 @functools.cache
 def fsdp2_module() -> type | None:
-    # None: torch built without distributed.
-    return find_optional("torch.distributed.fsdp.FSDPModule", "torch.distributed._composable.fsdp.FSDPModule")
+    return find_optional(*_FSDP2_MODULE)
 
 
 @functools.cache
 def fsdp1_module() -> type | None:
-    return find_optional("torch.distributed.fsdp.FullyShardedDataParallel")
+    return find_optional(_FSDP1_MODULE)
 
 
 # OptimizedModule (torch/_dynamo/eval_frame.py): the module torch.compile wrapped.
@@ -51,6 +62,33 @@ WRAPPED_CHILD_ATTRS = (CHECKPOINT_WRAPPED, FSDP1_WRAPPED, COMPILED_INNER)
 # nn.Module's own stores for children, parameters and buffers (read without running
 # ``__getattr__``): the same on every torch since 1.0.
 MODULE_STORES = ("_modules", "_parameters", "_buffers")
+
+
+def _init_names(cls: type, *names: str) -> bool:
+    """Do the ``__init__``s of ``cls`` and its bases set (or read) every attribute in ``names``?"""
+    seen: set[str] = set()
+    for klass in cls.__mro__:
+        code = getattr(inspect.unwrap(vars(klass).get("__init__")), "__code__", None)
+        seen.update(code.co_names if code is not None else ())
+    return set(names) <= seen
+
+
+need(
+    _OPTIMIZED_MODULE,
+    what="OptimizedModule._orig_mod/dynamo_ctx",
+    probe=lambda: _init_names(optimized_module(), COMPILED_INNER, "dynamo_ctx"),
+)
+need(
+    _CHECKPOINT_WRAPPER,
+    what="CheckpointWrapper._checkpoint_wrapped_module/checkpoint_fn",
+    probe=lambda: _init_names(checkpoint_wrapper_class(), CHECKPOINT_WRAPPED, CHECKPOINT_FN),
+)
+_NN_MODULE = need(
+    "torch.nn.Module",
+    what="torch.nn.Module._forward_pre_hooks/_forward_hooks",
+    probe=lambda: {"_forward_pre_hooks", "_forward_hooks"} <= set(vars(find(_NN_MODULE)())),
+)
+need(f"{_NN_MODULE}.{COMPILED_CALL}", probe=lambda: COMPILED_CALL in vars(find(_NN_MODULE)))
 
 
 def compiled_inner(optimized: Any) -> Any:
@@ -114,9 +152,6 @@ def call_impl(module: Any) -> Any:
     return module._call_impl
 
 
-CHECKPOINT_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
-
-
 def checkpoint_wrapper_module() -> Any:
     """The module that defines ``checkpoint_wrapper`` (a private package path, torch 1.12 to today)."""
     return importlib.import_module(CHECKPOINT_WRAPPER_MODULE)
@@ -124,15 +159,32 @@ def checkpoint_wrapper_module() -> Any:
 
 # Where FSDP2's per-unit state class lives (its ``init`` runs once per ``fully_shard`` call),
 # newest path first.
-FSDP2_STATE_MODULES = (
+FSDP2_STATE_MODULES = need_any(
     "torch.distributed.fsdp._fully_shard._fsdp_state",
     "torch.distributed._composable.fsdp._fsdp_state",
+    required=False,
 )
+
+
+def _fsdp2_state_hooks() -> bool:
+    state = find_optional(*_FSDP2_STATE)
+    return state is not None and all(
+        callable(getattr(state, attr, None)) for attr in ("init", "_pre_forward", "_post_forward")
+    )
+
+
+_FSDP2_STATE = need_any(
+    *(f"{name}.FSDPState" for name in FSDP2_STATE_MODULES),
+    what="FSDP2's FSDPState.init/_pre_forward/_post_forward",
+    probe=_fsdp2_state_hooks,
+)
+_REGISTRATION_HOOK = need("torch.nn.modules.module.register_module_module_registration_hook")
+_DTENSOR = need("torch.distributed.tensor.DTensor", required=False)
 
 
 def register_module_registration_hook(hook: Any) -> Any:
     """torch's global hook on every submodule registration; returns its handle (None if missing)."""
-    register = find_optional("torch.nn.modules.module.register_module_module_registration_hook")
+    register = find_optional(_REGISTRATION_HOOK)
     return None if register is None else register(hook)
 
 
@@ -161,7 +213,7 @@ def process_groups_of(module: Any) -> list[Any]:
             groups += [
                 g for g in (module.process_group, getattr(module, "_inter_node_pg", None)) if g is not None
             ]
-        dtensor = find_optional("torch.distributed.tensor.DTensor")
+        dtensor = find_optional(_DTENSOR)
         if dtensor is not None:
             meshes += [p.device_mesh for p in module.parameters(recurse=False) if isinstance(p, dtensor)]
         for mesh in meshes:

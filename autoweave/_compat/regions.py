@@ -4,9 +4,9 @@ at the region's entry, the steady-state watchdog, and whether a call would conve
 A block under an eager checkpoint runs its compiled code twice, in forward and in recompute,
 and both must run the same graph; dynamo decides per frame and per call. Torch range: the
 cache entries and guard managers as on 2.11-2.15 (``backends.cache_entries``), the LRU switch
-``torch._C._dynamo.eval_frame._set_lru_cache`` and ``skip_nnmodule_hook_guards``
-(``version.self_check`` probes them). TODO(pytorch#166926): most of this goes when a
-checkpoint's recompute pins its forward's graph.
+``torch._C._dynamo.eval_frame._set_lru_cache`` (without it nothing is reordered) and
+``skip_nnmodule_hook_guards`` (``version.self_check`` probes it). TODO(pytorch#166926): most
+of this goes when a checkpoint's recompute pins its forward's graph.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from autoweave._compat.dynamo import (
     recompiles_run_eager,
     skip_own_frame,
 )
-from autoweave._compat.lookup import find_optional
+from autoweave._compat.lookup import find_optional, need
+
+_DYNAMO_CONFIG = need("torch._dynamo.config", required=False)
 
 
 class _InsertionOrder:
@@ -58,7 +60,7 @@ class _InsertionOrder:
         with self._lock:
             if self._running == 0:
                 self._set_lru(False)
-                config = sys.modules.get("torch._dynamo.config")
+                config = sys.modules.get(_DYNAMO_CONFIG)
                 if getattr(config, _HOOK_GUARDS, None):  # put back as the calls end, unless set since
                     self._guard_hooks = _installs.patch(config, _HOOK_GUARDS, lambda skipped, on: False)
             self._running += 1
@@ -74,11 +76,13 @@ class _InsertionOrder:
 
 
 _HOOK_GUARDS = "skip_nnmodule_hook_guards"
+need(f"{_DYNAMO_CONFIG}.{_HOOK_GUARDS}")
+_SET_LRU_CACHE = need("torch._C._dynamo.eval_frame._set_lru_cache", required=False)
 
 
 @functools.cache
 def _insertion_order() -> _InsertionOrder | None:
-    set_lru = find_optional("torch._C._dynamo.eval_frame._set_lru_cache")
+    set_lru = find_optional(_SET_LRU_CACHE)
     return None if set_lru is None else _InsertionOrder(set_lru)
 
 

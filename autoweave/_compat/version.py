@@ -2,23 +2,27 @@
 
 An older torch turns autoweave off. A newer one is checked at start-up
 (``self_check``): every private name and dynamo message the other ``_compat``
-modules rely on is probed; autoweave turns on when everything is there (with one
-notice naming the untested version) and stays off naming what is missing
-otherwise. ``AUTOWEAVE_UNTESTED_TORCH=off`` keeps it off on any newer torch.
+modules declare as required (``lookup.need``) is probed; autoweave turns on when
+everything is there (with one notice naming the untested version) and stays off
+naming what is missing otherwise; what it lacks of the optional ones is logged at
+debug level. ``AUTOWEAVE_UNTESTED_TORCH=off`` keeps it off on any newer torch.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import inspect
+import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from autoweave._compat import backends, checkpoints, dynamo, log_strings, modules
-from autoweave._compat.lookup import UnsupportedTorch, find, find_optional
+from autoweave._compat import backends, checkpoints, dynamo, log_strings, modules, regions
+from autoweave._compat.lookup import NEEDS, UnsupportedTorch
+
+# Every module that declares what it needs from torch (``lookup.need``): imported here, so
+# ``lookup.NEEDS`` is complete whenever ``self_check`` reads it.
+DECLARING = (backends, checkpoints, dynamo, log_strings, modules, regions)
 
 # The torch releases autoweave is tested on, inclusive, as (major, minor).
 TESTED_TORCH = ((2, 11), (2, 15))
@@ -86,6 +90,9 @@ def torch_support(
             "check what it needs from this torch, or install a tested torch.",
         )
     missing = tuple((check or _self_check_once)())
+    log = logging.getLogger("autoweave")
+    if check is None and log.isEnabledFor(logging.DEBUG) and (lacking := _optional_missing_once()):
+        log.debug("torch %s lacks names autoweave does without: %s", raw, ", ".join(lacking))
     if missing:
         return TorchSupport(
             raw,
@@ -113,112 +120,12 @@ def check_torch_version(raw: str | None = None, *, untested: str = "check") -> T
     return support
 
 
-def _init_names(cls: type, *names: str) -> bool:
-    """Do the ``__init__``s of ``cls`` and its bases set (or read) every attribute in ``names``?"""
-    seen: set[str] = set()
-    for klass in cls.__mro__:
-        code = getattr(inspect.unwrap(vars(klass).get("__init__")), "__code__", None)
-        seen.update(code.co_names if code is not None else ())
-    return set(names) <= seen
-
-
-def _fsdp2_state() -> bool:
-    state = find_optional(*(f"{name}.FSDPState" for name in modules.FSDP2_STATE_MODULES))
-    return state is not None and all(
-        callable(getattr(state, attr, None)) for attr in ("init", "_pre_forward", "_post_forward")
-    )
-
-
-def _compile_code_argument() -> bool:
-    code = dynamo.dynamo_compile_code()
-    return code is not None and "code" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-
-
 def _needs() -> tuple[tuple[str, Callable[[], Any]], ...]:
-    """(what, probe) for every torch name autoweave relies on; a probe is truthy when it is there."""
-    import torch
+    """(what, probe) of every required row of ``lookup.NEEDS``: what ``self_check`` probes.
 
-    def has(path: str) -> tuple[str, Callable[[], bool]]:
-        # A row for a name that only has to exist: reported by its own path.
-        return path, lambda: find(path) is not None
-
-    def in_source(what: str, module_name: str, needle: str) -> tuple[str, Callable[[], bool]]:
-        # A row for a string dynamo's code must hold (a hook's name, a message's wording).
-        return what, lambda: needle in inspect.getsource(importlib.import_module(module_name))
-
-    def message(kind: str, module_name: str, needle: str) -> tuple[str, Callable[[], bool]]:
-        # A row for the wording of a dynamo message ``log_strings`` reads.
-        return in_source(f"dynamo's {kind} message {needle!r}", module_name, needle)
-
-    return (
-        ("torch._dynamo.eval_frame.OptimizedModule", modules.optimized_module),
-        (
-            "OptimizedModule._orig_mod/dynamo_ctx",
-            lambda: _init_names(modules.optimized_module(), "_orig_mod", "dynamo_ctx"),
-        ),
-        ("torch.nn.Module._compiled_call_impl", lambda: "_compiled_call_impl" in vars(torch.nn.Module)),
-        in_source(f"dynamo's inline hook {dynamo.TRACE_AS!r}", "torch._dynamo.eval_frame", dynamo.TRACE_AS),
-        (
-            "torch.nn.Module._forward_pre_hooks/_forward_hooks",
-            lambda: {"_forward_pre_hooks", "_forward_hooks"} <= set(vars(torch.nn.Module())),
-        ),
-        ("CheckpointWrapper", modules.checkpoint_wrapper_class),
-        (
-            "CheckpointWrapper._checkpoint_wrapped_module/checkpoint_fn",
-            lambda: _init_names(
-                modules.checkpoint_wrapper_class(), "_checkpoint_wrapped_module", "checkpoint_fn"
-            ),
-        ),
-        ("torch._higher_order_ops.wrap.tag_activation_checkpoint", checkpoints.tag_activation_checkpoint),
-        in_source(
-            f"the checkpoint operator's {checkpoints.CHECKPOINT_CONTEXT_FN_KEY!r} key",
-            "torch._higher_order_ops.wrap",
-            checkpoints.CHECKPOINT_CONTEXT_FN_KEY,
-        ),
-        # What a checkpoint's recompute reads to find its forward (``checkpoints.eager_checkpoint_frame``).
-        in_source("the recompute hook's 'target_frame_ref'", "torch.utils.checkpoint", "target_frame_ref"),
-        has("torch._dynamo.exc.Unsupported"),
-        has("torch._dynamo.disable"),
-        has("torch._dynamo.reset_code"),
-        has("torch._dynamo.utils.counters"),
-        # The dispatcher's watchdog counts entries by their guard builds (``dynamo.entries_made``).
-        in_source("dynamo's 'build_guards' timing", "torch._dynamo.convert_frame", '"build_guards"'),
-        has("torch._dynamo.utils.compilation_time_metrics"),
-        has("torch._dynamo.backends.registry.lookup_backend"),
-        has("torch._TorchCompileInductorWrapper"),
-        has("torch._TorchCompileWrapper"),
-        has("torch._dynamo.callback.callback_handler"),
-        ("torch._dynamo.convert_frame._compile(code, ...)", _compile_code_argument),
-        (
-            "torch._dynamo.output_graph.OutputGraph.call_user_compiler(self, gm, example_inputs)",
-            _handoff_arguments,
-        ),
-        has("torch.nn.modules.module.register_module_module_registration_hook"),
-        ("FSDP2's FSDPState.init/_pre_forward/_post_forward", _fsdp2_state),
-        ("torch._logging._internal (log registry)", dynamo.torch_logging_internal),
-        message("fallback", log_strings.FALLBACK_LOGGER, log_strings.FALLBACK_NEEDLE),
-        message("recompile-limit", "torch._dynamo.convert_frame", log_strings.RECOMPILE_LIMIT_NEEDLE),
-        in_source("dynamo's graph_breaks log artifact", "torch._dynamo.symbolic_convert", '"graph_breaks"'),
-        has("torch._dynamo.config.suppress_errors"),
-        # While woven calls run, hooks of inlined modules are guarded (``regions._InsertionOrder``).
-        has("torch._dynamo.config.skip_nnmodule_hook_guards"),
-        # A frame that fails at a woven first call runs eager with its callees (``skip_with_callees``).
-        in_source("dynamo's per-error 'frame_exec_strategy'", "torch._dynamo.exc", "frame_exec_strategy"),
-        ("torch._dynamo.convert_frame.ConvertFrame.__call__(frame, ...)", _convert_frame_argument),
-        message("suppressed-error", "torch._dynamo.exc", log_strings.SUPPRESSED_NEEDLE),
-        ("torch._C._dynamo.eval_frame.set_code_exec_strategy", lambda: list(map(find, dynamo.EXEC_STRATEGY))),
-    )
-
-
-def _convert_frame_argument() -> bool:
-    code = dynamo.convert_frame_call_code()
-    return code is not None and "frame" in code.co_varnames[: code.co_argcount]
-
-
-def _handoff_arguments() -> bool:
-    owner = find_optional(f"{backends.HANDOFF_MODULE}.OutputGraph")
-    code = getattr(inspect.unwrap(getattr(owner, "call_user_compiler", None)), "__code__", None)
-    return code is not None and code.co_varnames[:3] == ("self", "gm", "example_inputs")
+    A seam for tests, which add a row here to play a torch that lacks one.
+    """
+    return tuple((row.what, row.probe) for row in NEEDS if row.required)
 
 
 @functools.cache
@@ -234,7 +141,22 @@ def self_check() -> list[str]:
     release that moved one of these names leaves autoweave off, naming it,
     instead of failing deep inside a patch.
     """
-    return [what for what, probe in _needs() if not _passes(probe)]
+    return _failing(_needs())
+
+
+def optional_missing() -> list[str]:
+    """What the installed torch lacks of the names autoweave does without (the parts using them stay off)."""
+    return _failing((row.what, row.probe) for row in NEEDS if not row.required)
+
+
+@functools.cache
+def _optional_missing_once() -> tuple[str, ...]:
+    return tuple(optional_missing())
+
+
+def _failing(rows: Iterable[tuple[str, Callable[[], Any]]]) -> list[str]:
+    # Two modules may declare one name: it is reported once.
+    return list(dict.fromkeys(what for what, probe in rows if not _passes(probe)))
 
 
 def _passes(probe: Callable[[], Any]) -> bool:
