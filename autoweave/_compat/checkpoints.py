@@ -292,3 +292,30 @@ def is_fake(tensor: Any) -> bool:
         return bool(find(_IS_FAKE)(tensor))
     except UnsupportedTorch:
         return False
+
+
+def version_of(tensor: Any) -> int | None:
+    """``tensor``'s version counter (bumped by every in-place write), None for anything else."""
+    return getattr(tensor, "_version", None) if _is_tensor(tensor) else None
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+# Where dynamo's graphs keep what a node computes (a fake tensor), on every torch in
+# ``version.TESTED_TORCH``; AOTAutograd's graphs call it ``val``.
+_EXAMPLE_VALUE = "example_value"
+
+
+def traced_value(node: Any) -> Any:
+    """What dynamo recorded an fx ``node`` computes (a fake tensor, a tuple of them), or None."""
+    meta = getattr(node, "meta", None) or {}
+    return meta.get(_EXAMPLE_VALUE, meta.get("val"))
+
+
+def set_traced_value(node: Any, value: Any) -> None:
+    """Record what ``node`` computes, as dynamo records it for the nodes it builds."""
+    node.meta[_EXAMPLE_VALUE] = value

@@ -333,6 +333,12 @@ def compile_callbacks() -> Any:
     return find_optional(_CALLBACK_HANDLER)
 
 
+def callback_compile(args: Any) -> tuple[str, str]:
+    """What a compile callback's argument says: its trigger's name (``DYNAMO`` by default) and its compile id."""
+    trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
+    return trigger, str(getattr(args, "compile_id", ""))
+
+
 _RESET_CODE = need("torch._dynamo.reset_code")
 
 

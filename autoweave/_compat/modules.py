@@ -111,6 +111,11 @@ def checkpoint_fn(wrapper: Any) -> Any:
     return getattr(wrapper, CHECKPOINT_FN, None)
 
 
+def reentrant(wrapper: Any) -> bool:
+    """Does a ``CheckpointWrapper`` run the reentrant checkpoint (its ``checkpoint_impl``)?"""
+    return getattr(getattr(wrapper, "checkpoint_impl", None), "name", "") == "REENTRANT"
+
+
 def wrapped_child(module: Any) -> Any:
     """The child a torch wrapper (CheckpointWrapper, FSDP1, OptimizedModule) wraps; None if not one."""
     children = getattr(module, "_modules", None) or {}

@@ -279,9 +279,10 @@ def untraceable(
         if not isinstance(module, wrapper_cls):
             continue
         # probe: None for a wrapper without a context_fn
-        why = probe(checkpoint_calls.context_fn_of(getattr(module, "checkpoint_fn", None)))
+        fn = _compat.modules.checkpoint_fn(module)
+        why = probe(checkpoint_calls.context_fn_of(fn))
         if why is not None:
-            found[id(module.checkpoint_fn)] = why
+            found[id(fn)] = why
     return found
 
 

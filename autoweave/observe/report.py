@@ -251,8 +251,8 @@ class _Stats:
     # dynamo's compile callbacks: time every compile, attribute it to the regions it built
     def _on_start(self, args: Any = None, *_: Any) -> None:
         rank()  # remember the process group's rank while it exists (see _log)
-        trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
-        match = _COMPILE_ID.search(str(getattr(args, "compile_id", "")))
+        trigger, compile_id = _compat.dynamo.callback_compile(args)
+        match = _COMPILE_ID.search(compile_id)
         recompile = trigger == "DYNAMO" and match is not None and int(match.group(2)) > 0
         # A woven region's own frame, or a resume function of it, is its region's compile
         # whether or not it hands the backend a graph: a frame between two boundaries (or

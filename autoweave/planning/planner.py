@@ -337,11 +337,10 @@ def checkpoint_spec(module: nn.Module) -> CheckpointSpec | None:
         return None
     if not isinstance(module, wrapper_cls):
         return None
-    fn = getattr(module, "checkpoint_fn", None)
+    fn = _compat.modules.checkpoint_fn(module)
     keywords = dict(getattr(fn, "keywords", {}) or {})
     selective = checkpoint_calls.context_fn_of(fn) is not None
-    impl = getattr(module, "checkpoint_impl", None)
-    reentrant = getattr(impl, "name", "") == "REENTRANT" or bool(keywords.get("use_reentrant"))
+    reentrant = _compat.modules.reentrant(module) or bool(keywords.get("use_reentrant"))
     options = tuple(sorted((k, _short(v)) for k, v in keywords.items()))
     known = getattr(getattr(fn, "func", None), "__name__", "") == "checkpoint"
     return CheckpointSpec(selective, reentrant, options, known, checkpoint_fn=fn)

@@ -25,6 +25,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from autoweave import _compat
 from autoweave._failopen import RAN_EAGER
 
 
@@ -67,7 +68,7 @@ def partial_inputs(gm: Any, example_inputs: Sequence[Any]) -> dict[int, frozense
 
 def _example(node: Any) -> Any:
     """What dynamo recorded ``node`` computes (a fake tensor), or None."""
-    return node.meta.get("example_value", node.meta.get("val"))
+    return _compat.checkpoints.traced_value(node)
 
 
 def _may_need_grad(node: Any) -> bool:

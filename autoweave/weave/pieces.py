@@ -89,7 +89,8 @@ def _returns_only_tensors(gm: Any) -> bool:
     if not isinstance(results, (tuple, list)):
         results = (results,)
     return all(
-        isinstance(r, fx.Node) and isinstance(r.meta.get("example_value"), torch.Tensor) for r in results
+        isinstance(r, fx.Node) and isinstance(_compat.checkpoints.traced_value(r), torch.Tensor)
+        for r in results
     )
 
 
@@ -196,7 +197,7 @@ def changed_inputs_backward_needs(gm: Any, example_inputs: Any) -> list[int] | N
                 if getattr(v, "requires_grad", False)
             )
             needs_grad = set(graded)
-            versions = [c._version if isinstance(c, torch.Tensor) else None for c in copies]
+            versions = [_compat.checkpoints.version_of(c) for c in copies]
             Reading(gm).run(*copies)
     except Exception as exc:  # a graph the fake run cannot take: assume the worst
         logger.debug("could not tell which inputs a piece changes in place", exc_info=exc)
@@ -205,7 +206,7 @@ def changed_inputs_backward_needs(gm: Any, example_inputs: Any) -> list[int] | N
         i
         for i, (copy, version) in enumerate(zip(copies, versions, strict=True))
         if version is not None
-        and copy._version != version
+        and _compat.checkpoints.version_of(copy) != version
         and (id(copy) in needs_grad or _compat.checkpoints.storage_key(copy) in read_for_grad)
     ]
 
@@ -421,11 +422,11 @@ class CheckpointPieces:
         (output,) = (n for n in gm.graph.nodes if n.op == "output")
         results = output.args[0]
         call = graph.call_function(hop, (graph.get_attr("piece"), *inputs), dict(self.options))
-        values = tuple(r.meta.get("example_value") if isinstance(r, fx.Node) else r for r in results)
-        call.meta["example_value"] = values
+        values = tuple(_compat.checkpoints.traced_value(r) if isinstance(r, fx.Node) else r for r in results)
+        _compat.checkpoints.set_traced_value(call, values)
         outputs = [graph.call_function(operator.getitem, (call, i)) for i in range(len(values))]
         for item, value in zip(outputs, values, strict=True):
-            item.meta["example_value"] = value
+            _compat.checkpoints.set_traced_value(item, value)
         graph.output(tuple(outputs) if isinstance(results, (tuple, list)) else outputs[0])
         return fx.GraphModule(root, graph)
 

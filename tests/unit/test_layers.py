@@ -247,6 +247,13 @@ PRIVATE_TORCH_ATTRS = {
     "_forward_pre_hooks",
     "_backward_hooks",
     "_get_name",
+    # a tensor's version counter; where dynamo's fx nodes keep what they compute; what a
+    # CheckpointWrapper runs; what a compile callback is told
+    "_version",
+    "example_value",
+    "checkpoint_impl",
+    "callback_trigger",
+    "compile_id",
     # torch._logging._internal's, which TORCH_LOGS handling borrows
     "_is_torch_handler",
     "_setup_handlers",
