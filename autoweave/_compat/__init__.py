@@ -26,8 +26,8 @@ run the whole region eager (pytorch/pytorch#139989; PR #193143 proposes
 compiling ``ac(compile(f))`` instead, and reviewers note it does not hold for
 selective AC); FSDP2's hooks are ``torch._dynamo.disable``d unconditionally since
 pytorch/pytorch PR #174863 (custom-op hooks that dynamo could keep in the graph
-were tried in PR #181924, closed); ``backend="eager"`` ignores a traced checkpoint
-(pytorch/pytorch#160773).
+were tried in PR #181924, closed). docs/upstream.md lists every workaround here with its
+upstream issue, or the report drafted to file where none exists.
 
 Callers name the concern with the name: ``_compat.dynamo.outside_dynamo``. This
 package only imports its modules, so ``from autoweave import _compat`` reaches them all.

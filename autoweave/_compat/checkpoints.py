@@ -4,8 +4,8 @@ saved-tensor hooks, autograd's node numbers, fake tensors.
 Torch range: 2.11-2.15 (``version.self_check`` probes the operator and its
 metadata key on a newer torch; the rest degrade to "cannot tell" where a name
 moved). Upstream: the decorator form ``checkpoint(**options)(fn)`` (2.15+) is not
-traced as the checkpoint operator (no upstream issue found); no public API lists
-a SAC policy's context or autograd's node numbers either.
+traced as the checkpoint operator (pytorch PR #189412 would trace it; open;
+docs/upstream.md U6); no public API lists a SAC policy's context or autograd's node numbers either.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ these messages to whoever subscribed; nothing else matches dynamo's wording.
 
 Torch range: the wording of 2.11-2.15 (``tests/compile/test_dynamo_messages.py``
 provokes each message on the installed torch; ``version.self_check`` looks for
-each needle in dynamo's source on a newer one). Upstream: pytorch#135816 tracks
-checkpointed regions falling back to eager; no public API carries the others.
+each needle in dynamo's source on a newer one). Upstream: no issue asks for a structured
+event; the report to file is drafted in docs/upstream.md (U2).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from autoweave._compat.lookup import need_source
 # "<checkpoint> ... will fall back to eager-mode PyTorch": a traced checkpoint gave up
 # (``speculate_subgraph`` in torch/_dynamo/variables/higher_order_ops.py, at INFO); the
 # ``Unsupported`` error that made it give up is logged next, as the record's message.
-# TODO(pytorch#135816): read a structured "region fell back to eager" event instead, once there is one.
+# TODO(docs/upstream.md U2, a report to file): read a structured fallback event instead.
 FALLBACK_NEEDLE = "fall back to eager-mode PyTorch"
 FALLBACK_LOGGER = need_source(
     f"dynamo's fallback message {FALLBACK_NEEDLE!r}",
