@@ -38,7 +38,7 @@ from measure import eager_gemms as count_eager_gemms  # noqa: E402 - benchmarks/
 from measure import heap_in_use  # noqa: E402
 
 import autoweave  # noqa: E402
-from autoweave.observe import counting  # noqa: E402
+from autoweave.sense import counting  # noqa: E402
 
 
 def load_example() -> Any:

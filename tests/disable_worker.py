@@ -180,10 +180,19 @@ def _import_everything() -> None:
     import autoweave.dispatch
     import autoweave.observe
     import autoweave.planning
+    import autoweave.sense
     import autoweave.tools
     import autoweave.weave
 
-    for package in (autoweave, autoweave.planning, autoweave.weave, autoweave.observe, autoweave.dispatch):
+    packages = (
+        autoweave,
+        autoweave.planning,
+        autoweave.weave,
+        autoweave.sense,
+        autoweave.dispatch,
+        autoweave.observe,
+    )
+    for package in packages:
         for info in pkgutil.iter_modules(package.__path__):
             if not info.ispkg and info.name != "__main__":
                 importlib.import_module(f"{package.__name__}.{info.name}")

@@ -31,7 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import autoweave  # noqa: E402
-from autoweave.observe import counting  # noqa: E402
+from autoweave.sense import counting  # noqa: E402
 
 
 def _example():

@@ -71,7 +71,7 @@ def trace_structured(name: str, payload: Any) -> None:
 
 @functools.cache
 def torch_logging_internal() -> Any:
-    """``torch._logging._internal`` when it has what ``observe.graph_breaks`` uses, else None."""
+    """``torch._logging._internal`` when it has what ``sense.graph_breaks`` uses, else None."""
     internal = find_optional(_LOGGING_INTERNAL)  # None has none of the names: None
     needed = ("log_registry", "register_log", "_is_torch_handler", "_setup_handlers")
     return internal if all(hasattr(internal, name) for name in needed) else None
