@@ -491,6 +491,7 @@ def run_variant(name: str, ac: str, cfg: Config, deadline: float) -> dict[str, A
             )
             opt.zero_grad(set_to_none=True)
             rec["census"] = measure.step_census(prof)
+            rec["breakdown"] = measure.step_breakdown(prof)
         rec["warmup_peak_mem_gib"] = torch.cuda.max_memory_allocated(cfg.device) / 2**30 if cfg.cuda else None
         if cfg.cuda:
             torch.cuda.reset_peak_memory_stats(cfg.device)
@@ -964,7 +965,7 @@ def _write(
     data = {"meta": meta, "variants": records, "skipped": skipped, "errors": errors, **summary}
     out = cfg.args.out
     (out / "gpu_bench.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
-    table = markdown(records, meta, summary) + census_table(records)
+    table = markdown(records, meta, summary) + census_table(records) + breakdown_table(records)
     (out / "gpu_bench.md").write_text(table)
     if with_chart:
         try:
@@ -1005,6 +1006,45 @@ def census_table(records: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['ac']} | {r['variant']} | {fwd['eager_ops']} | {fwd['fsdp_ops']} | {fwd['forward_graphs']} "
             f"| {bwd['eager_ops']} | {bwd['fsdp_ops']} | {bwd['forward_graphs']} | {bwd['backward_graphs']} | {extra} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def breakdown_table(records: list[dict[str, Any]]) -> str:
+    """Where the profiled step's time went (``--census``), forward and backward summed, per category.
+
+    On a GPU: kernel time charged to the CPU op that launched it, and the device's idle time within
+    each phase; on the CPU proxy: each CPU event's self time (no idle column). "top eager" names the
+    eager ops that took most of the eager time.
+    """
+    rows = [r for r in records if r.get("breakdown")]
+    if not rows:
+        return ""
+    kind = rows[0]["breakdown"]["time_kind"]
+    head = " | ".join(f"{c} ms" for c in measure.BREAKDOWN)
+    lines = [
+        f"\n### Breakdown of the profiled step ({kind})\n",
+        f"| AC | variant | {head} | kernels | host syncs | top eager |",
+        "|---|---|" + "---|" * (len(measure.BREAKDOWN) + 3),
+    ]
+    for r in rows:
+        phases = [r["breakdown"][p] for p in ("forward", "backward")]
+        cells = []
+        for c in measure.BREAKDOWN:
+            values = [p["ms"][c] for p in phases if p["ms"][c] is not None]
+            cells.append(f"{sum(values):.2f}" if values else "—")
+        counts = [sum(p["kernels"].values()) for p in phases if p["kernels"] is not None]
+        eager: dict[str, float] = {}
+        for p in phases:
+            for op, t in p["eager_ms_by_op"].items():
+                eager[op] = eager.get(op, 0.0) + t
+        top = ", ".join(
+            f"{op.removeprefix('aten::')} {t:.2f}"
+            for op, t in sorted(eager.items(), key=lambda kv: -kv[1])[:3]
+        )
+        lines.append(
+            f"| {r['ac']} | {r['variant']} | {' | '.join(cells)} | {sum(counts) if counts else '—'} "
+            f"| {sum(p['host_syncs'] for p in phases)} | {top or '-'} |"
         )
     return "\n".join(lines) + "\n"
 

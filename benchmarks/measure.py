@@ -187,3 +187,97 @@ def step_census(profile: Any) -> dict[str, Any]:
             "eager_by_op": dict(eager.most_common()),
         }
     return out
+
+
+# Host waits for the device: ``.item()`` (a scalar read back) and explicit synchronizations.
+HOST_SYNCS = (
+    "aten::_local_scalar_dense",
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+)
+BREAKDOWN = ("graphs", "recompute", "backward graphs", "fsdp", "eager", "idle")
+
+
+def _category(event: Any, phase: str) -> tuple[str, str | None]:
+    """Where ``event``'s time belongs: a compiled graph (forward, recomputed in backward, or backward),
+    FSDP's hooks, or eager (with the outermost aten op it runs under, if any)."""
+    outer_op, node = None, event
+    while node is not None:
+        if node.name == "CompiledFunctionBackward":
+            return "backward graphs", None
+        if node.name in COMPILED_RANGES:
+            return ("recompute" if phase == "backward" else "graphs"), None
+        if node.name.startswith(FSDP_RANGE):
+            return "fsdp", None
+        if node.name.startswith("aten::"):
+            outer_op = node.name
+        node = node.cpu_parent
+    return "eager", outer_op or "host"
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
+def step_breakdown(profile: Any) -> dict[str, Any]:
+    """Where one profiled step's time went (``profiled_step``), per phase and category (issue 42, item 1).
+
+    Categories: ``graphs`` (compiled forward graphs), ``recompute`` (forward graphs run again in
+    backward: a checkpoint's recompute), ``backward graphs``, ``fsdp`` (inside FSDP2's ranges: the
+    units' copies and collectives), ``eager`` (everything else, by the outermost aten op it ran under;
+    ``host``: under none, as autograd's nodes, hooks and Python) and, on a GPU, ``idle`` (the device
+    waiting within the phase's span of kernels). With CUDA activity the time is each kernel's, charged
+    to the CPU op that launched it; without (the CPU proxy) it is each CPU event's self time. Also:
+    kernels per category, and host syncs (``.item()``, explicit
+    synchronizations), which stall the launch queue on a GPU.
+    """
+    from torch.autograd import DeviceType
+
+    cpu = DeviceType.CPU
+    events = list(profile.events())
+    spans = {e.name: (e.time_range.start, e.time_range.end) for e in events if e.name in STEP_RANGES}
+    device = any(getattr(e, "kernels", None) for e in events)
+    out: dict[str, Any] = {"time_kind": "device kernels" if device else "cpu self time"}
+    for label in STEP_RANGES:
+        start, end = spans.get(label, (0, -1))
+        phase = label.split("::", 1)[1]
+        ms = dict.fromkeys(BREAKDOWN, 0.0)
+        kernels = dict.fromkeys(BREAKDOWN, 0)
+        eager_ms: dict[str, float] = {}
+        syncs, launched = 0, []
+        for event in events:
+            if event.name in STEP_RANGES or not start <= event.time_range.start <= end:
+                continue
+            if event.device_type != cpu:
+                launched.append(
+                    (event.time_range.start, event.time_range.end)
+                )  # a kernel, on the device's clock
+                continue
+            syncs += event.name in HOST_SYNCS
+            own = getattr(event, "kernels", None) or []
+            spent = sum(k.duration for k in own) if device else event.self_cpu_time_total
+            if not spent:
+                continue
+            category, op = _category(event, phase)
+            ms[category] += spent / 1e3
+            kernels[category] += len(own)
+            if op is not None:
+                eager_ms[op] = eager_ms.get(op, 0.0) + spent / 1e3
+        if device and launched:
+            first, last = min(s for s, _ in launched), max(e for _, e in launched)
+            ms["idle"] = (last - first - _busy_us(launched)) / 1e3
+        else:
+            ms["idle"] = None
+        out[phase] = {
+            "ms": ms,
+            "kernels": kernels if device else None,
+            "host_syncs": syncs,
+            "eager_ms_by_op": dict(sorted(eager_ms.items(), key=lambda kv: -kv[1])),
+        }
+    return out

@@ -188,6 +188,12 @@ def test_the_census_counts_what_runs_outside_graphs(tmp_path: Path) -> None:
     assert rows["autoweave:hoist"]["census"]["backward"]["forward_graphs"] > 0
     assert rows["autoweave:pieces"]["census"]["backward"]["forward_graphs"] == 0
     assert "### Census: one training step after warm-up" in proc.stdout
+    # The same step's time by category (item 1): on the CPU proxy, self time; the recompute is hoist's.
+    hoist, pieces = rows["autoweave:hoist"]["breakdown"], rows["autoweave:pieces"]["breakdown"]
+    assert hoist["time_kind"] == "cpu self time" and hoist["backward"]["ms"]["recompute"] > 0, hoist
+    assert pieces["backward"]["ms"]["recompute"] == 0 and pieces["backward"]["ms"]["backward graphs"] > 0
+    assert rows["upper_bound"]["breakdown"]["forward"]["ms"]["graphs"] > 0
+    assert "### Breakdown of the profiled step (cpu self time)" in proc.stdout
 
 
 @pytest.mark.slow

@@ -1,0 +1,102 @@
+"""benchmarks/measure.step_breakdown: a profiled step's time by category (issue 42, item 1).
+
+Synthetic profiler events (the shape ``profile.events()`` gives), so the GPU path is checked here,
+without a GPU: kernels charged to the CPU op that launched them, the device's idle time, host syncs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from torch.autograd import DeviceType
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def measure():
+    spec = importlib.util.spec_from_file_location("measure_bench", ROOT / "benchmarks" / "measure.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Profile:
+    def __init__(self) -> None:
+        self.all: list[SimpleNamespace] = []
+
+    def cpu(self, name, start, end, parent=None, kernels=(), self_us=None):
+        event = SimpleNamespace(
+            name=name, cpu_parent=parent, time_range=SimpleNamespace(start=start, end=end),
+            kernels=[SimpleNamespace(name="k", device=0, duration=d) for d in kernels],
+            self_cpu_time_total=end - start if self_us is None else self_us, device_type=DeviceType.CPU,
+        )  # fmt: skip
+        self.all.append(event)
+        return event
+
+    def kernel(self, start, end):
+        self.all.append(
+            SimpleNamespace(
+                name="k", cpu_parent=None, time_range=SimpleNamespace(start=start, end=end),
+                kernels=[], self_cpu_time_total=0, device_type=DeviceType.CUDA,
+            )  # fmt: skip
+        )
+
+    def events(self):
+        return self.all
+
+
+def _gpu_step() -> Profile:
+    p = Profile()  # times in microseconds
+    fwd = p.cpu("census::forward", 0, 10_000)
+    p.cpu("CompiledFunction", 100, 300, fwd, kernels=(5_000,))
+    fsdp = p.cpu("FSDP::pre_forward", 400, 500, fwd)
+    p.cpu("aten::copy_", 410, 420, fsdp, kernels=(2_000,))
+    linear = p.cpu("aten::linear", 600, 700, fwd)
+    p.cpu("aten::mm", 610, 690, linear, kernels=(1_500, 2_500))
+    p.cpu("aten::view", 710, 720, fwd)  # no kernel: no device time
+    p.cpu("aten::_local_scalar_dense", 730, 740, fwd)
+    bwd = p.cpu("census::backward", 10_000, 30_000)
+    node = p.cpu("autograd::engine::evaluate_function: CheckpointFunctionBackward", 10_100, 12_000)
+    p.cpu("CompiledFunction", 10_200, 10_400, node, kernels=(3_000,))  # a checkpoint's recompute
+    p.cpu("CompiledFunctionBackward", 12_100, 12_300, kernels=(6_000,))
+    p.cpu("aten::add", 12_400, 12_410, kernels=(1_000,))  # autograd summing two gradients
+    for start, end in ((200, 5_200), (5_200, 7_200), (9_000, 13_000)):  # forward: 13 ms, 4 busy
+        p.kernel(start, end)
+    for start, end in ((10_500, 13_500), (14_000, 20_000), (20_000, 21_000)):
+        p.kernel(start, end)
+    return p
+
+
+def test_device_time_goes_to_the_graph_the_recompute_fsdp_or_the_eager_op_that_launched_it(measure) -> None:
+    out = measure.step_breakdown(_gpu_step())
+    assert out["time_kind"] == "device kernels"
+    fwd, bwd = out["forward"], out["backward"]
+    assert fwd["ms"] == {
+        "graphs": 5.0, "recompute": 0.0, "backward graphs": 0.0, "fsdp": 2.0, "eager": 4.0,
+        "idle": pytest.approx(1.8),  # 12.8 ms from the first kernel to the last, 11 busy
+    }  # fmt: skip
+    assert fwd["eager_ms_by_op"] == {"aten::linear": 4.0}  # the outermost op, not the mm inside
+    assert fwd["kernels"] == {"graphs": 1, "recompute": 0, "backward graphs": 0, "fsdp": 1, "eager": 2, "idle": 0}
+    assert fwd["host_syncs"] == 1
+    assert bwd["ms"]["recompute"] == 3.0 and bwd["ms"]["graphs"] == 0.0
+    assert bwd["ms"]["backward graphs"] == 6.0 and bwd["ms"]["eager"] == 1.0
+    assert bwd["ms"]["idle"] == pytest.approx(0.5)
+    assert bwd["eager_ms_by_op"] == {"aten::add": 1.0} and bwd["host_syncs"] == 0
+
+
+def test_without_kernels_the_cpu_proxy_charges_each_event_its_self_time(measure) -> None:
+    p = Profile()
+    fwd = p.cpu("census::forward", 0, 1_000)
+    p.cpu("CompiledFunction", 10, 110, fwd, self_us=100)
+    p.cpu("aten::view", 200, 210, fwd, self_us=10)
+    p.cpu("autograd::engine::evaluate_function: X", 300, 350, fwd, self_us=50)
+    p.cpu("census::backward", 1_000, 2_000)
+    out = measure.step_breakdown(p)
+    assert out["time_kind"] == "cpu self time"
+    assert out["forward"]["ms"]["graphs"] == 0.1 and out["forward"]["ms"]["idle"] is None
+    assert out["forward"]["eager_ms_by_op"] == {"host": 0.05, "aten::view": 0.01}
+    assert out["forward"]["kernels"] is None
