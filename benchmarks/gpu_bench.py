@@ -790,6 +790,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    a.batch_given = a.batch is not None  # else fitted to the device's memory (fit_batch)
     qwen3 = a.model_name == "qwen3"
     if qwen3:
         model = dict(qwen3_client.SMOKE_MODEL if a.smoke else qwen3_client.GPU_MODEL)
@@ -821,6 +822,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.warmup < 3 or a.steps < 1 or model["num_hidden_layers" if qwen3 else "n_layers"] < 2:
         p.error("--warmup must be at least 3, --steps at least 1, --layers at least 2")
     return a
+
+
+def fit_batch(estimate: Any, batch: int, device_gib: float, share: float = 0.92) -> tuple[int, dict | None]:
+    """The default batch, halved until the estimated peak (``estimate(batch)``, GiB, the larger of the
+    AC modes) fits ``share`` of the device's memory: a lent machine may be an H100 (78 GiB) where
+    the defaults were sized on an H200 (139 GiB), and an OOM would cost a variant's row. Returns
+    the batch and, when it changed, what was fitted (recorded in the JSON's meta)."""
+    first = batch
+    peak = max(estimate(batch).get(k, 0.0) for k in ("full_ac_peak_gib", "selective_ac_peak_gib"))
+    while batch > 1 and peak > share * device_gib:
+        batch //= 2
+        peak = max(estimate(batch).get(k, 0.0) for k in ("full_ac_peak_gib", "selective_ac_peak_gib"))
+    if batch == first:
+        return batch, None
+    return batch, {
+        "from": first,
+        "to": batch,
+        "device_gib": round(device_gib, 1),
+        "estimated_peak_gib": round(peak, 1),
+    }
 
 
 def _warmup_compiler(backend: str, device: torch.device) -> None:
@@ -901,6 +922,13 @@ def main(argv: list[str] | None = None) -> int:
     qwen3 = a.model_name == "qwen3"
     margs = qwen3_client.model_args(a.model, a.experts_impl) if qwen3 else tm.ModelArgs(**a.model)
     dtype = getattr(torch, a.dtype)
+    a.batch_fitted = None
+    if device.type == "cuda" and not a.batch_given:
+        device_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        estimate = functools.partial(_fns(margs).memory_estimate, margs, elem=dtype.itemsize)
+        a.batch, a.batch_fitted = fit_batch(estimate, a.batch, device_gib)
+        if a.batch_fitted:
+            log(f"batch {a.batch_fitted['from']} -> {a.batch}: the estimated peak fits {device_gib:.0f} GiB")
     batches = []
     for step in range(3):  # the same data for every variant; steps cycle through it
         inputs, targets = (qwen3_client if qwen3 else tm).make_batch(step, a.seed, a.batch, margs)

@@ -135,6 +135,41 @@ def test_grouped_gemm_layout_matches_the_bmm_layout() -> None:
     assert "layout ok" in proc.stdout
 
 
+def test_the_default_batch_fits_the_lent_device() -> None:
+    """An H100 (78 GiB) gets a batch whose estimated peak fits; an H200 keeps the defaults (issue 42)."""
+    code = "import tests.test_gpu_bench as t; t.check_fit_batch()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "fit ok" in proc.stdout
+
+
+def check_fit_batch() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import functools
+
+    import gpu_bench as gb
+    import qwen3_client
+
+    qwen3 = qwen3_client.model_args(qwen3_client.GPU_MODEL, "grouped_mm")
+    example = gb.tm.ModelArgs(**gb.GPU_MODEL)
+    for margs, fns, batch in ((qwen3, qwen3_client, 4), (example, gb, 8)):
+        estimate = functools.partial(fns.memory_estimate, margs, elem=2)
+        assert gb.fit_batch(estimate, batch, 139.8) == (batch, None)  # an H200: as sized
+        fitted, record = gb.fit_batch(estimate, batch, 79.1)  # an H100
+        peak = max(estimate(fitted)["full_ac_peak_gib"], estimate(fitted)["selective_ac_peak_gib"])
+        assert peak <= 0.92 * 79.1 and fitted >= 1, (fitted, peak)
+        assert (record is None) == (fitted == batch)
+        if record:
+            assert record["from"] == batch and record["to"] == fitted
+            # Halved no further than needed: twice the batch would not have fitted.
+            twice = max(
+                estimate(fitted * 2)["full_ac_peak_gib"], estimate(fitted * 2)["selective_ac_peak_gib"]
+            )
+            assert twice > 0.92 * 79.1
+    assert gb.fit_batch(functools.partial(qwen3_client.memory_estimate, qwen3, elem=2), 4, 79.1)[0] == 2
+    print("fit ok")
+
+
 def check_grouped_layout() -> None:
     import torch
 

@@ -40,8 +40,12 @@ class Profile:
     def kernel(self, start, end):
         self.all.append(
             SimpleNamespace(
-                name="k", cpu_parent=None, time_range=SimpleNamespace(start=start, end=end),
-                kernels=[], self_cpu_time_total=0, device_type=DeviceType.CUDA,
+                name="k",
+                cpu_parent=None,
+                time_range=SimpleNamespace(start=start, end=end),
+                kernels=[],
+                self_cpu_time_total=0,
+                device_type=DeviceType.CUDA,
             )  # fmt: skip
         )
 
@@ -59,7 +63,7 @@ def _gpu_step() -> Profile:
     p.cpu("aten::mm", 610, 690, linear, kernels=(1_500, 2_500))
     p.cpu("aten::view", 710, 720, fwd)  # no kernel: no device time
     p.cpu("aten::_local_scalar_dense", 730, 740, fwd)
-    bwd = p.cpu("census::backward", 10_000, 30_000)
+    p.cpu("census::backward", 10_000, 30_000)
     node = p.cpu("autograd::engine::evaluate_function: CheckpointFunctionBackward", 10_100, 12_000)
     p.cpu("CompiledFunction", 10_200, 10_400, node, kernels=(3_000,))  # a checkpoint's recompute
     p.cpu("CompiledFunctionBackward", 12_100, 12_300, kernels=(6_000,))
@@ -80,7 +84,14 @@ def test_device_time_goes_to_the_graph_the_recompute_fsdp_or_the_eager_op_that_l
         "idle": pytest.approx(1.8),  # 12.8 ms from the first kernel to the last, 11 busy
     }  # fmt: skip
     assert fwd["eager_ms_by_op"] == {"aten::linear": 4.0}  # the outermost op, not the mm inside
-    assert fwd["kernels"] == {"graphs": 1, "recompute": 0, "backward graphs": 0, "fsdp": 1, "eager": 2, "idle": 0}
+    assert fwd["kernels"] == {
+        "graphs": 1,
+        "recompute": 0,
+        "backward graphs": 0,
+        "fsdp": 1,
+        "eager": 2,
+        "idle": 0,
+    }
     assert fwd["host_syncs"] == 1
     assert bwd["ms"]["recompute"] == 3.0 and bwd["ms"]["graphs"] == 0.0
     assert bwd["ms"]["backward graphs"] == 6.0 and bwd["ms"]["eager"] == 1.0
