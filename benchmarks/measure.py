@@ -43,6 +43,36 @@ def eager_gemms(profile: Any) -> tuple[int, int]:
     return outside, inside
 
 
+def in_graph_range(compiled: Any, name: str = COMPILED_RANGE) -> Any:
+    """``compiled`` (what a dynamo backend returned) called inside the range ``name``.
+
+    AOTAutograd runs a graph inside its ``CompiledFunction`` range only when it may need a
+    backward; a graph with no gradient to give (under ``no_grad``, or a resume frame that only
+    routes: indices, offsets) it calls bare, and its ops would read as eager.
+    """
+    import torch
+
+    if not callable(compiled):
+        return compiled
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(name):
+            return compiled(*args, **kwargs)
+
+    if getattr(compiled, "_boxed_call", False):
+        call._boxed_call = True  # type: ignore[attr-defined]  # dynamo passes the arguments as one list
+    return call
+
+
+def graphs_in_range(backend: Any) -> Any:
+    """A dynamo backend: ``backend``'s, each call of a compiled graph inside the range ``GRAPH_CALL``."""
+
+    def ranged(gm: Any, example_inputs: Any) -> Any:
+        return in_graph_range(backend(gm, example_inputs), GRAPH_CALL)
+
+    return ranged
+
+
 def forward_gemms_outside_graphs(model: Any, *args: Any) -> int:
     """GEMMs one forward of ``model`` runs outside compiled graphs (profiled on the CPU)."""
     import torch
@@ -120,6 +150,7 @@ def heap_in_use() -> int | None:
 
 # What a training step runs outside compiled graphs (issue 42's CPU proxy): profiler ranges.
 COMPILED_RANGES = ("CompiledFunction", "CompiledFunctionBackward")
+GRAPH_CALL = "census::graph"  # graphs_in_range's: each call of a compiled graph, with a backward or not
 FSDP_RANGE = "FSDP::"  # FSDP2's record_function labels: its hooks' all-gathers, copies, reduce-scatters
 STEP_RANGES = ("census::forward", "census::backward")
 
@@ -139,6 +170,56 @@ def profiled_step(forward: Any, backward: Any) -> Any:
     return prof
 
 
+def _training_calls(events: list[Any]) -> set[int]:
+    """The ``GRAPH_CALL`` ranges (ids) inside which AOTAutograd opened its ``CompiledFunction``.
+
+    Such a graph has a backward, and what runs in the call outside ``CompiledFunction`` is
+    AOTAutograd's runtime glue (an output that is a view of an intermediate, replayed): eager. A call
+    without one is a graph with no backward, run bare: all of it is the graph.
+    """
+    calls = set()
+    for event in events:
+        if event.name == COMPILED_RANGE:
+            node = event.cpu_parent
+            while node is not None and node.name not in (*COMPILED_RANGES, GRAPH_CALL):
+                node = node.cpu_parent
+            if node is not None and node.name == GRAPH_CALL:
+                calls.add(id(node))
+    return calls
+
+
+def _place(event: Any, training: set[int]) -> tuple[str, str | None, bool]:
+    """Where ``event`` runs: ``forward`` or ``backward`` (a compiled graph), ``fsdp`` or ``eager``; the
+    outermost aten op at or above it there; and whether ``event`` is nested in another aten op."""
+    outer, nested, node = None, False, event
+    while node is not None:  # from the event itself (a range may launch kernels) up
+        if node.name == "CompiledFunctionBackward":
+            return "backward", None, nested
+        if node.name == COMPILED_RANGE or (node.name == GRAPH_CALL and id(node) not in training):
+            return "forward", None, nested
+        if node.name.startswith(FSDP_RANGE):
+            return "fsdp", outer, nested
+        if node.name.startswith("aten::"):
+            outer, nested = node.name, outer is not None
+        node = node.cpu_parent
+    return "eager", outer, nested
+
+
+def _graph_kind(event: Any) -> str | None:
+    """``forward``/``backward`` where ``event`` opens a graph's call (one per call: a ``CompiledFunction``
+    inside ``GRAPH_CALL`` is that call's), else None."""
+    if event.name == "CompiledFunctionBackward":
+        return "backward"
+    if event.name == GRAPH_CALL:
+        return "forward"
+    if event.name == COMPILED_RANGE:
+        node = event.cpu_parent
+        while node is not None and node.name not in (*COMPILED_RANGES, GRAPH_CALL):
+            node = node.cpu_parent
+        return None if node is not None and node.name == GRAPH_CALL else "forward"
+    return None
+
+
 def step_census(profile: Any) -> dict[str, Any]:
     """What one profiled step (``profiled_step``) ran, by phase: graphs called, and aten ops outside graphs.
 
@@ -147,10 +228,15 @@ def step_census(profile: Any) -> dict[str, Any]:
     (the units' own copies and collectives); ``graphs``: compiled forward graphs called (in backward: a
     checkpoint's recompute running them again) and backward graphs. A phase is the interval of its
     label (the backward's ops may run on autograd's own threads, outside its range's nesting).
+    Graphs without a backward run outside AOTAutograd's ``CompiledFunction``: with the backend
+    wrapped by ``graphs_in_range`` they are told apart (else their ops read as eager). A recompute
+    that a backward graph starts (unpacking what it saved) runs inside that graph's range: its graphs
+    count as recomputed, its eager ops as the backward graph's (the profiler cannot tell them apart).
     """
     import collections
 
     events = list(profile.events())
+    training = _training_calls(events)
     spans = {}
     for event in events:
         if event.name in STEP_RANGES:
@@ -160,30 +246,25 @@ def step_census(profile: Any) -> dict[str, Any]:
         start, end = spans.get(label, (0, -1))
         eager: collections.Counter[str] = collections.Counter()
         fsdp: collections.Counter[str] = collections.Counter()
-        graphs = collections.Counter()
+        graphs: collections.Counter[str] = collections.Counter()
         for event in events:
             if not start <= event.time_range.start <= end:
                 continue
-            if event.name in COMPILED_RANGES:
-                graphs[event.name] += 1
+            kind = _graph_kind(event)
+            if kind is not None:
+                graphs[kind] += 1
                 continue
             if not event.name.startswith("aten::"):
                 continue
-            parent, inside, in_fsdp = event.cpu_parent, False, False
-            while parent is not None:
-                if parent.name in COMPILED_RANGES or parent.name.startswith("aten::"):
-                    inside = True  # in a graph, or nested in an op counted already
-                    break
-                in_fsdp = in_fsdp or parent.name.startswith(FSDP_RANGE)
-                parent = parent.cpu_parent
-            if not inside:
-                (fsdp if in_fsdp else eager)[event.name] += 1
+            where, _, nested = _place(event, training)
+            if not nested and where in ("eager", "fsdp"):
+                (fsdp if where == "fsdp" else eager)[event.name] += 1
         phase = label.split("::", 1)[1]
         out[phase] = {
             "eager_ops": sum(eager.values()),
             "fsdp_ops": sum(fsdp.values()),
-            "forward_graphs": graphs["CompiledFunction"],
-            "backward_graphs": graphs["CompiledFunctionBackward"],
+            "forward_graphs": graphs["forward"],
+            "backward_graphs": graphs["backward"],
             "eager_by_op": dict(eager.most_common()),
         }
     return out
@@ -199,21 +280,16 @@ HOST_SYNCS = (
 BREAKDOWN = ("graphs", "recompute", "backward graphs", "fsdp", "eager", "idle")
 
 
-def _category(event: Any, phase: str) -> tuple[str, str | None]:
-    """Where ``event``'s time belongs: a compiled graph (forward, recomputed in backward, or backward),
-    FSDP's hooks, or eager (with the outermost aten op it runs under, if any)."""
-    outer_op, node = None, event
-    while node is not None:
-        if node.name == "CompiledFunctionBackward":
-            return "backward graphs", None
-        if node.name in COMPILED_RANGES:
-            return ("recompute" if phase == "backward" else "graphs"), None
-        if node.name.startswith(FSDP_RANGE):
-            return "fsdp", None
-        if node.name.startswith("aten::"):
-            outer_op = node.name
-        node = node.cpu_parent
-    return "eager", outer_op or "host"
+def _category(event: Any, phase: str, training: set[int]) -> tuple[str, str | None]:
+    """Where ``event``'s time belongs (``BREAKDOWN``), and for eager time the outermost aten op (``host``: none)."""
+    where, outer, _ = _place(event, training)
+    if where == "forward":
+        return ("recompute" if phase == "backward" else "graphs"), None
+    if where == "backward":
+        return "backward graphs", None
+    if where == "fsdp":
+        return "fsdp", None
+    return "eager", outer or "host"
 
 
 def _busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -241,6 +317,7 @@ def step_breakdown(profile: Any) -> dict[str, Any]:
 
     cpu = DeviceType.CPU
     events = list(profile.events())
+    training = _training_calls(events)
     spans = {e.name: (e.time_range.start, e.time_range.end) for e in events if e.name in STEP_RANGES}
     device = any(getattr(e, "kernels", None) for e in events)
     out: dict[str, Any] = {"time_kind": "device kernels" if device else "cpu self time"}
@@ -264,7 +341,7 @@ def step_breakdown(profile: Any) -> dict[str, Any]:
             spent = sum(k.duration for k in own) if device else event.self_cpu_time_total
             if not spent:
                 continue
-            category, op = _category(event, phase)
+            category, op = _category(event, phase, training)
             ms[category] += spent / 1e3
             kernels[category] += len(own)
             if op is not None:

@@ -141,7 +141,7 @@ class Metrics:
             with metrics._lock:
                 metrics.graphs += 1
                 metrics.ops += ops
-            return _in_graph_range(inner(gm, example_inputs, **kwargs))
+            return measure.in_graph_range(inner(gm, example_inputs, **kwargs))
 
         # dynamo and torch.compile read attributes off a backend (compiler_name, ...)
         for attr, value in getattr(inner, "__dict__", {}).items():
@@ -204,27 +204,6 @@ def tiny_qwen3_moe_config(layers: int, **overrides: Any) -> Any:
         num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
     )  # fmt: skip
     return Qwen3MoeConfig(**{**fields, **overrides})
-
-
-def _in_graph_range(compiled: Any) -> Any:
-    """``compiled`` called inside the profiler range ``measure.eager_gemms`` reads as "in a graph".
-
-    AOTAutograd runs a graph inside its ``CompiledFunction`` range only when it may need a
-    backward; under ``no_grad`` (a frozen reference model, evaluation) it calls the inference
-    graph bare, and its GEMMs would read as eager.
-    """
-    import torch
-
-    if not callable(compiled):
-        return compiled
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        with torch.profiler.record_function(measure.COMPILED_RANGE):
-            return compiled(*args, **kwargs)
-
-    if getattr(compiled, "_boxed_call", False):
-        call._boxed_call = True  # type: ignore[attr-defined]  # dynamo passes the arguments as one list
-    return call
 
 
 def gemms_of_forward(forward: Any) -> tuple[int, int]:

@@ -111,3 +111,27 @@ def test_without_kernels_the_cpu_proxy_charges_each_event_its_self_time(measure)
     assert out["forward"]["ms"]["graphs"] == 0.1 and out["forward"]["ms"]["idle"] is None
     assert out["forward"]["eager_ms_by_op"] == {"host": 0.05, "aten::view": 0.01}
     assert out["forward"]["kernels"] is None
+
+
+def test_a_graph_without_a_backward_is_a_graph_and_aot_glue_around_one_with_is_eager(measure) -> None:
+    # graphs_in_range marks every call of a compiled graph; AOTAutograd's CompiledFunction marks
+    # only those with a backward, and replays an output's view outside it.
+    p = Profile()
+    fwd = p.cpu("census::forward", 0, 1_000)
+    training = p.cpu(measure.GRAPH_CALL, 10, 100, fwd)
+    p.cpu("CompiledFunction", 20, 80, training, kernels=(40,))
+    p.cpu("aten::view", 85, 90, training)  # the replayed alias: eager glue
+    inference = p.cpu(measure.GRAPH_CALL, 110, 200, fwd)  # routing only: no backward
+    p.cpu("aten::argsort", 120, 190, inference, kernels=(60,))
+    bwd = p.cpu("census::backward", 1_000, 2_000)
+    graph = p.cpu("CompiledFunctionBackward", 1_100, 1_500, bwd, kernels=(100,))
+    recompute = p.cpu(measure.GRAPH_CALL, 1_200, 1_300, graph)  # its unpacking started a recompute
+    p.cpu("CompiledFunction", 1_210, 1_290, recompute, kernels=(30,))
+    census = measure.step_census(p)
+    assert census["forward"]["forward_graphs"] == 2  # one per call, not one per range
+    assert census["forward"]["eager_by_op"] == {"aten::view": 1}
+    assert census["backward"]["forward_graphs"] == 1 and census["backward"]["backward_graphs"] == 1
+    ms = measure.step_breakdown(p)
+    assert ms["forward"]["ms"]["graphs"] == pytest.approx(0.1) and ms["forward"]["ms"]["eager"] == 0.0
+    assert ms["backward"]["ms"]["recompute"] == pytest.approx(0.03)
+    assert ms["backward"]["ms"]["backward graphs"] == pytest.approx(0.1)
