@@ -6,6 +6,7 @@ the profiler or ctypes and only benchmarks and tests ask for them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from typing import Any
 
@@ -150,24 +151,55 @@ def heap_in_use() -> int | None:
 
 # What a training step runs outside compiled graphs (issue 42's CPU proxy): profiler ranges.
 COMPILED_RANGES = ("CompiledFunction", "CompiledFunctionBackward")
-GRAPH_CALL = "census::graph"  # graphs_in_range's: each call of a compiled graph, with a backward or not
+GRAPH_CALL = "census::graph"
+RECOMPUTE = "census::recompute"  # profiled_step's: an eager checkpoint's recompute (torch.utils.checkpoint)  # graphs_in_range's: each call of a compiled graph, with a backward or not
 FSDP_RANGE = "FSDP::"  # FSDP2's record_function labels: its hooks' all-gathers, copies, reduce-scatters
 STEP_RANGES = ("census::forward", "census::backward")
 
 
 def profiled_step(forward: Any, backward: Any) -> Any:
-    """``backward(forward())`` under the CPU profiler (and CUDA's where there is one), each phase labelled."""
+    """``backward(forward())`` under the CPU profiler (and CUDA's where there is one), each phase labelled.
+
+    An eager checkpoint's recompute runs in a range of its own (``RECOMPUTE``): torch opens none,
+    and one that a backward graph starts (unpacking what it saved) would read as that graph's.
+    """
     import torch
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with _recompute_in_range(), torch.profiler.profile(activities=activities) as prof:
         with torch.profiler.record_function(STEP_RANGES[0]):
             out = forward()
         with torch.profiler.record_function(STEP_RANGES[1]):
             backward(out)
     return prof
+
+
+@contextlib.contextmanager
+def _recompute_in_range() -> Any:
+    """While inside: ``torch.utils.checkpoint`` runs each recompute inside ``RECOMPUTE``.
+
+    Its unpack hook calls the module's ``_run_fn_with_dynamo_disabled(frame.recompute_fn, ...)``
+    (torch 2.11-2.15); where that name is missing, nothing is marked (the census says less).
+    """
+    import torch
+    import torch.utils.checkpoint as checkpoint
+
+    run = getattr(checkpoint, "_run_fn_with_dynamo_disabled", None)
+    if run is None:
+        yield
+        return
+
+    def marked(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(RECOMPUTE):
+            return run(fn, *args, **kwargs)
+
+    checkpoint._run_fn_with_dynamo_disabled = marked
+    try:
+        yield
+    finally:
+        checkpoint._run_fn_with_dynamo_disabled = run
 
 
 def _training_calls(events: list[Any]) -> set[int]:
@@ -189,7 +221,8 @@ def _training_calls(events: list[Any]) -> set[int]:
 
 
 def _place(event: Any, training: set[int]) -> tuple[str, str | None, bool]:
-    """Where ``event`` runs: ``forward`` or ``backward`` (a compiled graph), ``fsdp`` or ``eager``; the
+    """Where ``event`` runs: ``forward`` or ``backward`` (a compiled graph), ``fsdp``, ``recompute`` (eager,
+    in a checkpoint's recompute) or ``eager``; the
     outermost aten op at or above it there; and whether ``event`` is nested in another aten op."""
     outer, nested, node = None, False, event
     while node is not None:  # from the event itself (a range may launch kernels) up
@@ -199,6 +232,8 @@ def _place(event: Any, training: set[int]) -> tuple[str, str | None, bool]:
             return "forward", None, nested
         if node.name.startswith(FSDP_RANGE):
             return "fsdp", outer, nested
+        if node.name == RECOMPUTE:
+            return "recompute", outer, nested
         if node.name.startswith("aten::"):
             outer, nested = node.name, outer is not None
         node = node.cpu_parent
@@ -231,7 +266,8 @@ def step_census(profile: Any) -> dict[str, Any]:
     Graphs without a backward run outside AOTAutograd's ``CompiledFunction``: with the backend
     wrapped by ``graphs_in_range`` they are told apart (else their ops read as eager). A recompute
     that a backward graph starts (unpacking what it saved) runs inside that graph's range: its graphs
-    count as recomputed, its eager ops as the backward graph's (the profiler cannot tell them apart).
+    count as recomputed; its eager ops are eager (``recompute_eager_ops`` of them): ``profiled_step``
+    marks an eager checkpoint's recompute (``RECOMPUTE``), which would otherwise read as that graph's.
     """
     import collections
 
@@ -247,6 +283,7 @@ def step_census(profile: Any) -> dict[str, Any]:
         eager: collections.Counter[str] = collections.Counter()
         fsdp: collections.Counter[str] = collections.Counter()
         graphs: collections.Counter[str] = collections.Counter()
+        recomputed = 0
         for event in events:
             if not start <= event.time_range.start <= end:
                 continue
@@ -257,11 +294,13 @@ def step_census(profile: Any) -> dict[str, Any]:
             if not event.name.startswith("aten::"):
                 continue
             where, _, nested = _place(event, training)
-            if not nested and where in ("eager", "fsdp"):
+            if not nested and where in ("eager", "fsdp", "recompute"):
                 (fsdp if where == "fsdp" else eager)[event.name] += 1
+                recomputed += where == "recompute"
         phase = label.split("::", 1)[1]
         out[phase] = {
             "eager_ops": sum(eager.values()),
+            "recompute_eager_ops": recomputed,  # of eager_ops: run by an eager checkpoint's recompute
             "fsdp_ops": sum(fsdp.values()),
             "forward_graphs": graphs["forward"],
             "backward_graphs": graphs["backward"],
@@ -289,6 +328,8 @@ def _category(event: Any, phase: str, training: set[int]) -> tuple[str, str | No
         return "backward graphs", None
     if where == "fsdp":
         return "fsdp", None
+    if where == "recompute":
+        return "recompute", None
     return "eager", outer or "host"
 
 
@@ -304,8 +345,8 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
 def step_breakdown(profile: Any) -> dict[str, Any]:
     """Where one profiled step's time went (``profiled_step``), per phase and category (issue 42, item 1).
 
-    Categories: ``graphs`` (compiled forward graphs), ``recompute`` (forward graphs run again in
-    backward: a checkpoint's recompute), ``backward graphs``, ``fsdp`` (inside FSDP2's ranges: the
+    Categories: ``graphs`` (compiled forward graphs), ``recompute`` (a checkpoint's recompute: forward
+    graphs run again in backward, and an eager checkpoint's eager work), ``backward graphs``, ``fsdp`` (inside FSDP2's ranges: the
     units' copies and collectives), ``eager`` (everything else, by the outermost aten op it ran under;
     ``host``: under none, as autograd's nodes, hooks and Python) and, on a GPU, ``idle`` (the device
     waiting within the phase's span of kernels). With CUDA activity the time is each kernel's, charged

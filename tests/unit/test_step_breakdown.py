@@ -135,3 +135,37 @@ def test_a_graph_without_a_backward_is_a_graph_and_aot_glue_around_one_with_is_e
     assert ms["forward"]["ms"]["graphs"] == pytest.approx(0.1) and ms["forward"]["ms"]["eager"] == 0.0
     assert ms["backward"]["ms"]["recompute"] == pytest.approx(0.03)
     assert ms["backward"]["ms"]["backward graphs"] == pytest.approx(0.1)
+
+
+def test_an_eager_checkpoints_recompute_is_its_own_not_the_backward_graphs(measure) -> None:
+    # Synthetic: a backward graph unpacks what it saved, which runs the recompute inside its range.
+    p = Profile()
+    p.cpu("census::forward", 0, 1_000)
+    bwd = p.cpu("census::backward", 1_000, 2_000)
+    graph = p.cpu("CompiledFunctionBackward", 1_100, 1_900, bwd, kernels=(100,))
+    recompute = p.cpu(measure.RECOMPUTE, 1_200, 1_800, graph)
+    p.cpu("aten::view", 1_210, 1_220, recompute)
+    p.cpu("CompiledFunction", 1_300, 1_400, recompute, kernels=(50,))
+    p.cpu("aten::mul", 1_500, 1_600, recompute, kernels=(20,))
+    census = measure.step_census(p)["backward"]
+    assert census["eager_by_op"] == {"aten::view": 1, "aten::mul": 1} and census["recompute_eager_ops"] == 2
+    assert census["forward_graphs"] == 1 and census["backward_graphs"] == 1
+    ms = measure.step_breakdown(p)["backward"]["ms"]
+    assert ms["recompute"] == pytest.approx(0.07) and ms["backward graphs"] == pytest.approx(0.1)
+
+
+def test_profiled_step_marks_torchs_checkpoint_recompute_and_puts_torch_back(measure) -> None:
+    import torch
+    import torch.utils.checkpoint as checkpoint
+
+    before = checkpoint._run_fn_with_dynamo_disabled
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    prof = measure.profiled_step(
+        lambda: checkpoint.checkpoint(lambda t: layer(t).relu(), x, use_reentrant=False),
+        lambda out: out.sum().backward(),
+    )
+    census = measure.step_census(prof)
+    assert census["forward"]["recompute_eager_ops"] == 0
+    assert census["backward"]["recompute_eager_ops"] >= 2, census  # linear and relu, again
+    assert checkpoint._run_fn_with_dynamo_disabled is before
