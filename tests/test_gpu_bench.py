@@ -98,7 +98,15 @@ def test_smoke_measures_the_fallback_and_the_weave(
         assert set(data["targets"][ac]) == {
             "autoweave_step_vs_best_hand", "plain_compile_ac_step_vs_autoweave",
             "autoweave_peak_mem_vs_eager", "autoweave_first_step_vs_hand_weave",
+            "autoweave_step_vs_bound", "plain_compile_ac_step_vs_autoweave_issue42",
         }  # fmt: skip
+        # Issue 42's: against the bound of the same AC mode, measured in the same run.
+        assert weave["ratio_vs_bound"] == pytest.approx(weave["step_s"] / upper["step_s"])
+        assert data["targets"][ac]["autoweave_step_vs_bound"]["value"] == weave["ratio_vs_bound"]
+        assert data["targets"][ac]["autoweave_step_vs_bound"]["target"] == (
+            "<= 1.02" if ac == "full" else "<= 1.03"
+        )
+        assert 0 < weave["held_share_of_peak"] < 1
         assert all(t["value"] is not None and t["met"] in (True, False) for t in data["targets"][ac].values())
 
 
