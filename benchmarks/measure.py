@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import unittest.mock
 from typing import Any
 
 # Not aten::_grouped_mm: off CUDA (and in bf16-less paths) it loops over aten::mm, and a GEMM
@@ -195,11 +196,8 @@ def _recompute_in_range() -> Any:
         with torch.profiler.record_function(RECOMPUTE):
             return run(fn, *args, **kwargs)
 
-    checkpoint._run_fn_with_dynamo_disabled = marked
-    try:
+    with unittest.mock.patch.object(checkpoint, "_run_fn_with_dynamo_disabled", marked):
         yield
-    finally:
-        checkpoint._run_fn_with_dynamo_disabled = run
 
 
 def _training_calls(events: list[Any]) -> set[int]:
