@@ -179,24 +179,28 @@ def profiled_step(forward: Any, backward: Any) -> Any:
 
 @contextlib.contextmanager
 def _recompute_in_range() -> Any:
-    """While inside: ``torch.utils.checkpoint`` runs each recompute inside ``RECOMPUTE``.
+    """While inside: each ``torch.utils.checkpoint`` frame made runs its recompute inside ``RECOMPUTE``.
 
-    Its unpack hook calls the module's ``_run_fn_with_dynamo_disabled(frame.recompute_fn, ...)``
-    (torch 2.11-2.15); where that name is missing, nothing is marked (the census says less).
+    The non-reentrant checkpoint keeps what it recomputes in a ``_CheckpointFrame(recompute_fn, ...)``
+    (torch 2.1-2.15); where that name is missing, nothing is marked (the census says less).
     """
     import torch
     import torch.utils.checkpoint as checkpoint
 
-    run = getattr(checkpoint, "_run_fn_with_dynamo_disabled", None)
-    if run is None:
+    frame = getattr(checkpoint, "_CheckpointFrame", None)
+    if frame is None:
         yield
         return
+    init = frame.__init__
 
-    def marked(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        with torch.profiler.record_function(RECOMPUTE):
-            return run(fn, *args, **kwargs)
+    def marked_init(self: Any, recompute_fn: Any, *args: Any, **kwargs: Any) -> None:
+        def recompute(*inputs: Any, **named: Any) -> Any:
+            with torch.profiler.record_function(RECOMPUTE):
+                return recompute_fn(*inputs, **named)
 
-    with unittest.mock.patch.object(checkpoint, "_run_fn_with_dynamo_disabled", marked):
+        init(self, recompute, *args, **kwargs)
+
+    with unittest.mock.patch.object(frame, "__init__", marked_init):
         yield
 
 

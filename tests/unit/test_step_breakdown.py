@@ -158,7 +158,9 @@ def test_profiled_step_marks_torchs_checkpoint_recompute_and_puts_torch_back(mea
     import torch
     import torch.utils.checkpoint as checkpoint
 
-    before = checkpoint._run_fn_with_dynamo_disabled
+    if not hasattr(checkpoint, "_CheckpointFrame"):
+        pytest.skip("this torch keeps no _CheckpointFrame: the census marks no recompute")
+    before = checkpoint._CheckpointFrame.__init__
     layer = torch.nn.Linear(4, 4)
     x = torch.randn(2, 4, requires_grad=True)
     prof = measure.profiled_step(
@@ -168,4 +170,4 @@ def test_profiled_step_marks_torchs_checkpoint_recompute_and_puts_torch_back(mea
     census = measure.step_census(prof)
     assert census["forward"]["recompute_eager_ops"] == 0
     assert census["backward"]["recompute_eager_ops"] >= 2, census  # linear and relu, again
-    assert checkpoint._run_fn_with_dynamo_disabled is before
+    assert checkpoint._CheckpointFrame.__init__ is before
