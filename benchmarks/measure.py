@@ -152,8 +152,8 @@ def heap_in_use() -> int | None:
 
 # What a training step runs outside compiled graphs (issue 42's CPU proxy): profiler ranges.
 COMPILED_RANGES = ("CompiledFunction", "CompiledFunctionBackward")
-GRAPH_CALL = "census::graph"
-RECOMPUTE = "census::recompute"  # profiled_step's: an eager checkpoint's recompute (torch.utils.checkpoint)  # graphs_in_range's: each call of a compiled graph, with a backward or not
+GRAPH_CALL = "census::graph"  # graphs_in_range's: each call of a compiled graph, with a backward or not
+RECOMPUTE = "census::recompute"  # profiled_step's: an eager checkpoint's recompute (torch.utils.checkpoint)
 FSDP_RANGE = "FSDP::"  # FSDP2's record_function labels: its hooks' all-gathers, copies, reduce-scatters
 STEP_RANGES = ("census::forward", "census::backward")
 
@@ -213,19 +213,29 @@ def _training_calls(events: list[Any]) -> set[int]:
     """
     calls = set()
     for event in events:
-        if event.name == COMPILED_RANGE:
-            node = event.cpu_parent
-            while node is not None and node.name not in (*COMPILED_RANGES, GRAPH_CALL):
-                node = node.cpu_parent
-            if node is not None and node.name == GRAPH_CALL:
-                calls.add(id(node))
+        if (
+            event.name == COMPILED_RANGE
+            and (call := _range_above(event)) is not None
+            and call.name == GRAPH_CALL
+        ):
+            calls.add(id(call))
     return calls
 
 
+def _range_above(event: Any) -> Any:
+    """The nearest graph range (``COMPILED_RANGES``, ``GRAPH_CALL``) above ``event``, or None."""
+    node = event.cpu_parent
+    while node is not None and node.name not in (*COMPILED_RANGES, GRAPH_CALL):
+        node = node.cpu_parent
+    return node
+
+
 def _place(event: Any, training: set[int]) -> tuple[str, str | None, bool]:
-    """Where ``event`` runs: ``forward`` or ``backward`` (a compiled graph), ``fsdp``, ``recompute`` (eager,
-    in a checkpoint's recompute) or ``eager``; the
-    outermost aten op at or above it there; and whether ``event`` is nested in another aten op."""
+    """Where ``event`` runs, the outermost aten op at or above it there, and whether it is nested in one.
+
+    Where: ``forward`` or ``backward`` (in a compiled graph), ``fsdp`` (FSDP2's hooks), ``recompute``
+    (eager work of a checkpoint's recompute) or ``eager``.
+    """
     outer, nested, node = None, False, event
     while node is not None:  # from the event itself (a range may launch kernels) up
         if node.name == "CompiledFunctionBackward":
@@ -250,10 +260,8 @@ def _graph_kind(event: Any) -> str | None:
     if event.name == GRAPH_CALL:
         return "forward"
     if event.name == COMPILED_RANGE:
-        node = event.cpu_parent
-        while node is not None and node.name not in (*COMPILED_RANGES, GRAPH_CALL):
-            node = node.cpu_parent
-        return None if node is not None and node.name == GRAPH_CALL else "forward"
+        above = _range_above(event)
+        return None if above is not None and above.name == GRAPH_CALL else "forward"
     return None
 
 
@@ -268,8 +276,8 @@ def step_census(profile: Any) -> dict[str, Any]:
     Graphs without a backward run outside AOTAutograd's ``CompiledFunction``: with the backend
     wrapped by ``graphs_in_range`` they are told apart (else their ops read as eager). A recompute
     that a backward graph starts (unpacking what it saved) runs inside that graph's range: its graphs
-    count as recomputed; its eager ops are eager (``recompute_eager_ops`` of them): ``profiled_step``
-    marks an eager checkpoint's recompute (``RECOMPUTE``), which would otherwise read as that graph's.
+    count as recomputed, and its eager ops as eager (``recompute_eager_ops`` of them), since
+    ``profiled_step`` marks an eager checkpoint's recompute (``RECOMPUTE``).
     """
     import collections
 
@@ -348,12 +356,12 @@ def step_breakdown(profile: Any) -> dict[str, Any]:
     """Where one profiled step's time went (``profiled_step``), per phase and category (issue 42, item 1).
 
     Categories: ``graphs`` (compiled forward graphs), ``recompute`` (a checkpoint's recompute: forward
-    graphs run again in backward, and an eager checkpoint's eager work), ``backward graphs``, ``fsdp`` (inside FSDP2's ranges: the
-    units' copies and collectives), ``eager`` (everything else, by the outermost aten op it ran under;
-    ``host``: under none, as autograd's nodes, hooks and Python) and, on a GPU, ``idle`` (the device
-    waiting within the phase's span of kernels). With CUDA activity the time is each kernel's, charged
-    to the CPU op that launched it; without (the CPU proxy) it is each CPU event's self time. Also:
-    kernels per category, and host syncs (``.item()``, explicit
+    graphs run again in backward, and an eager checkpoint's eager work), ``backward graphs``, ``fsdp``
+    (inside FSDP2's ranges: the units' copies and collectives), ``eager`` (everything else, by the
+    outermost aten op it ran under; ``host``: under none, as autograd's nodes, hooks and Python) and,
+    on a GPU, ``idle`` (the device waiting within the phase's span of kernels). With CUDA activity the
+    time is each kernel's, charged to the CPU op that launched it; without (the CPU proxy) it is each
+    CPU event's self time. Also: kernels per category, and host syncs (``.item()``, explicit
     synchronizations), which stall the launch queue on a GPU.
     """
     from torch.autograd import DeviceType
