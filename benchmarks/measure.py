@@ -265,6 +265,18 @@ def _graph_kind(event: Any) -> str | None:
     return None
 
 
+def _phases(events: list[Any]) -> list[tuple[str, list[Any]]]:
+    """Each phase of ``profiled_step`` (``forward``, ``backward``) and the events that start within its
+    label's interval (the backward's may run on autograd's own threads, outside its range's nesting)."""
+    spans = {e.name: (e.time_range.start, e.time_range.end) for e in events if e.name in STEP_RANGES}
+    phases = []
+    for label in STEP_RANGES:
+        start, end = spans.get(label, (0, -1))
+        inside = [e for e in events if e.name not in STEP_RANGES and start <= e.time_range.start <= end]
+        phases.append((label.split("::", 1)[1], inside))
+    return phases
+
+
 def step_census(profile: Any) -> dict[str, Any]:
     """What one profiled step (``profiled_step``) ran, by phase: graphs called, and aten ops outside graphs.
 
@@ -272,8 +284,7 @@ def step_census(profile: Any) -> dict[str, Any]:
     every compiled graph and outside FSDP's hooks, by name; ``fsdp_ops``: those inside FSDP's ranges
     (the units' own copies and collectives); ``graphs``: compiled forward graphs called (in backward: a
     checkpoint's recompute running them again) and backward graphs. A phase is the interval of its
-    label (the backward's ops may run on autograd's own threads, outside its range's nesting).
-    Graphs without a backward run outside AOTAutograd's ``CompiledFunction``: with the backend
+    label (``_phases``). Graphs without a backward run outside AOTAutograd's ``CompiledFunction``: with the backend
     wrapped by ``graphs_in_range`` they are told apart (else their ops read as eager). A recompute
     that a backward graph starts (unpacking what it saved) runs inside that graph's range: its graphs
     count as recomputed, and its eager ops as eager (``recompute_eager_ops`` of them), since
@@ -283,20 +294,13 @@ def step_census(profile: Any) -> dict[str, Any]:
 
     events = list(profile.events())
     training = _training_calls(events)
-    spans = {}
-    for event in events:
-        if event.name in STEP_RANGES:
-            spans[event.name] = (event.time_range.start, event.time_range.end)
     out: dict[str, Any] = {}
-    for label in STEP_RANGES:
-        start, end = spans.get(label, (0, -1))
+    for phase, inside in _phases(events):
         eager: collections.Counter[str] = collections.Counter()
         fsdp: collections.Counter[str] = collections.Counter()
         graphs: collections.Counter[str] = collections.Counter()
         recomputed = 0
-        for event in events:
-            if not start <= event.time_range.start <= end:
-                continue
+        for event in inside:
             kind = _graph_kind(event)
             if kind is not None:
                 graphs[kind] += 1
@@ -307,7 +311,6 @@ def step_census(profile: Any) -> dict[str, Any]:
             if not nested and where in ("eager", "fsdp", "recompute"):
                 (fsdp if where == "fsdp" else eager)[event.name] += 1
                 recomputed += where == "recompute"
-        phase = label.split("::", 1)[1]
         out[phase] = {
             "eager_ops": sum(eager.values()),
             "recompute_eager_ops": recomputed,  # of eager_ops: run by an eager checkpoint's recompute
@@ -369,19 +372,14 @@ def step_breakdown(profile: Any) -> dict[str, Any]:
     cpu = DeviceType.CPU
     events = list(profile.events())
     training = _training_calls(events)
-    spans = {e.name: (e.time_range.start, e.time_range.end) for e in events if e.name in STEP_RANGES}
     device = any(getattr(e, "kernels", None) for e in events)
     out: dict[str, Any] = {"time_kind": "device kernels" if device else "cpu self time"}
-    for label in STEP_RANGES:
-        start, end = spans.get(label, (0, -1))
-        phase = label.split("::", 1)[1]
+    for phase, inside in _phases(events):
         ms = dict.fromkeys(BREAKDOWN, 0.0)
         kernels = dict.fromkeys(BREAKDOWN, 0)
         eager_ms: dict[str, float] = {}
         syncs, launched = 0, []
-        for event in events:
-            if event.name in STEP_RANGES or not start <= event.time_range.start <= end:
-                continue
+        for event in inside:
             if event.device_type != cpu:
                 launched.append(
                     (event.time_range.start, event.time_range.end)
