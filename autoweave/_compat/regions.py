@@ -143,6 +143,53 @@ def _none_fits(
         return False
 
 
+# The frames dynamo converts while a woven call runs, beyond the region's own and its resume
+# frames: a helper the region calls at a break (``self._at(h)``, shared by every block of the
+# class), converted as a frame of its own. Its cache holds the entries of every region that
+# reaches it, one per unequal backend (BACKEND_MATCH), so it reaches the recompile limit with
+# the others' entries. Per thread, the sets of the woven calls running, innermost last.
+_running = threading.local()
+_TRANSLATOR = need("torch._dynamo.symbolic_convert.InstructionTranslator", required=False)
+
+
+def note_converted() -> None:
+    """Told by a woven region's backend as dynamo hands it a graph: the frame being converted is the running region's."""
+    running = getattr(_running, "frames", None)
+    translator = find_optional(_TRANSLATOR) if running else None
+    with suppress(Exception):  # no translator running, or a torch that moved it: nothing noted
+        running[-1].add(translator.current_tx().f_code)
+
+
+@contextmanager
+def _noting(frames: set[Any]) -> Iterator[None]:
+    running = _running.__dict__.setdefault("frames", [])
+    running.append(frames)
+    try:
+        yield
+    finally:
+        running.pop()
+
+
+def _helpers_at_limit(frames: set[Any], walked: list[tuple[str, int]], mine: Any, limit: int) -> list[str]:
+    """The helper frames in ``frames`` at the limit for this region, whose backend is ``mine``.
+
+    A helper's cache holds the entries of every region that reaches it. At the limit, a region
+    that holds none of them would need a new one (dynamo would refuse it, and run the frame eager
+    from then on, in whichever region's forward or recompute came next); one whose own entries
+    reached the limit recompiles it for itself. A region holding some of them finds its own.
+    """
+    names = {name for name, _ in walked}
+    at = []
+    for code in tuple(frames):
+        if code.co_name in names:  # one of the region's own frames: counted by the walk
+            continue
+        entries = cache_entries(code)
+        own = sum(getattr(e, "backend", None) == mine for e in entries)
+        if len(entries) >= limit and (own == 0 or own >= limit):
+            at.append(code.co_name)
+    return at
+
+
 # Attribute on a region's ``lookups_in_order`` function: would dynamo convert its first frame for a call?
 _WOULD_CONVERT = "_autoweave_would_convert"
 
@@ -220,7 +267,7 @@ def lookups_in_order(
     eager: Callable[..., Any] | None = None,
     converted: Callable[..., Any] | None = None,
     recompile_limit: int | None = None,
-    on_limit: Callable[[str, bool, bool], None] | None = None,
+    on_limit: Callable[[str, bool, bool, bool], None] | None = None,
     on_refused: Callable[[], None] | None = None,
     state: Any = None,
 ) -> Callable[..., Any]:
@@ -247,20 +294,24 @@ def lookups_in_order(
     default comes back after the last one returns.
 
     ``eager`` (the function ``compiled`` compiles; ``converted``, the one of
-    its frames dynamo converts first, if another): under an eager checkpoint,
-    once any frame of the region (that one, or a function dynamo resumes it
-    with after a break) holds as many entries as the recompile limit
-    (``recompile_limit``, else dynamo's), the region runs ``eager`` with dynamo
-    off below it, telling ``on_limit`` the frame's name and True; when only that
-    first frame is there, only a call none of its entries' guards fits (False). Decided at the
-    region's first call in a checkpoint's forward, before its graphs record
-    anything there, and kept for that checkpoint's recompute: the forward and
-    its recompute run the same code. Left to dynamo, the frame at the limit runs
-    eager in whichever of the two reaches it (a resume frame guarded on
-    ``self.calls`` needs a new entry in each), the other its graph: other
-    saved tensors (``CheckpointError``) or silently other gradients (issue 41).
-    So while such a call runs compiled, dynamo's own limit is raised
-    (``_limit_raised``): the limit is kept here, at the entry, not mid-call.
+    its frames dynamo converts first, if another): once any frame of the
+    region (that one, a function dynamo resumes it with after a break, or a
+    helper it calls at a break, ``_helpers_at_limit``) holds as many entries as
+    the recompile limit (``recompile_limit``, else dynamo's), the region runs
+    ``eager`` with dynamo off below it, telling ``on_limit`` the frame's name
+    and True; when only that first frame is there, only a call none of its
+    entries' guards fits (False). Under an eager checkpoint this is decided at
+    the region's first call in the checkpoint's forward, before its graphs
+    record anything there, and kept for that checkpoint's recompute: the
+    forward and its recompute run the same code. Left to dynamo, the frame at
+    the limit runs eager in whichever of the two reaches it (a resume frame
+    guarded on ``self.calls`` needs a new entry in each), the other its graph:
+    other saved tensors (``CheckpointError``) or silently other gradients
+    (issue 41). So while any woven call runs compiled (one with no recompute
+    of its own too: a helper it shares with a region under an eager checkpoint
+    would reach the limit there, between that region's forward and recompute),
+    dynamo's own limit is raised (``_limit_raised``): the limit is kept here,
+    at the entry, not mid-call.
 
     Under ``set_stance("fail_on_recompile")``, a frame of the region (first,
     resumed or called) that fits none of its entries runs eager for the call,
@@ -284,6 +335,7 @@ def lookups_in_order(
         # wrapper's): autoweave's own code, eager as in_order's own frame is.
         inputs = outside_dynamo(inputs, traced_as=inputs)
     uncompiled = at_limit = frame_fn = None
+    converted_here: set[Any] = set()  # helper frames converted in its calls (``note_converted``)
     if eager is not None:
         uncompiled = outside_dynamo(eager, traced_as=eager)
         frame_fn = converted or eager
@@ -308,31 +360,37 @@ def lookups_in_order(
             weakref.WeakKeyDictionary()
         )
         storm: list[str] = []  # the frame that recompiled at every call, once the region settled
+        backend = functools.cache(lambda: backends.compile_wrapper_of(compiled))
 
         def sharer(args: tuple[Any, ...]) -> Any:
             return next((a for a in args if isinstance(a, nn.Module)), frame_fn)
 
-        def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool | None, Any, bool]:
-            # (None, None, _): not under an eager checkpoint, no recompute to match: dynamo decides.
+        def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any, bool]:
+            # (_, None, _): not under an eager checkpoint, no recompute to match: decided per call.
             # (_, frame, True): the checkpoint's forward decided already: this is its recompute.
             found = _eager_checkpoint_frame()
-            if found is None:
-                return None, None, False
-            frame, _ = found
+            frame = None if found is None else found[0]
             with suppress(TypeError):  # a frame that takes no weak reference: decided per call
-                if frame in decided:
+                if frame is not None and frame in decided:
                     return decided[frame], frame, True
-            # Any frame of the region: its own, or one dynamo resumes after a break in it. Only
-            # the first frame's guards can be read before the call: if it alone is at the limit,
-            # a call that fits one of its entries still runs the graphs.
+            # Any frame of the region: its own, one dynamo resumes after a break in it, or a helper
+            # it calls at a break (``converted_here``). Only the first frame's guards can be read
+            # before the call: if it alone is at the limit, a call that fits one of its entries
+            # still runs the graphs.
             if storm:  # settled by the watchdog: every call from then on
                 eager = every = True
             else:
                 limit = user_recompile_limit(recompile_limit)
                 counts = backends.entry_counts(frame_fn)  # one walk of the region's frames
                 at = [name for name, n in counts if n >= limit]
+                if converted_here:
+                    at += _helpers_at_limit(converted_here, counts, backend(), limit)
                 every = bool(at) and at != [frame_fn.__code__.co_name]
                 eager = every or (bool(at) and _no_entry_at_limit(frame_fn, args, kwargs, limit))
+            if frame is None:  # no recompute to match and no watchdog: this call alone
+                if eager and on_limit is not None:
+                    on_limit(at[-1], every, False, False)
+                return eager, None, False
             if not eager:
                 with suppress(TypeError):  # this decision's counts, and the one's before
                     block = sharer(args)
@@ -343,7 +401,7 @@ def lookups_in_order(
                             (*args, *kwargs.values()), sum(n for _, n in counts), entries_made()
                         )
             if eager and on_limit is not None:
-                on_limit(storm[0] if storm else at[-1], every, bool(storm))
+                on_limit(storm[0] if storm else at[-1], every, bool(storm), True)
             with suppress(TypeError):
                 decided[frame] = eager
             return eager, frame, False
@@ -436,8 +494,11 @@ def lookups_in_order(
         if eager is not None:
             # The limit is kept at the region's entry (above); inside, no frame may reach
             # dynamo's, which would run that frame eager in the forward or in the recompute
-            # alone (a recompute often needs an entry its forward did not).
-            with order or nullcontext(), _limit_raised(), stance:
+            # alone (a recompute often needs an entry its forward did not). Nor in a region
+            # with no recompute of its own (pieces): a helper frame it shares with a region
+            # under an eager checkpoint would run eager, or another backend's graph, in that
+            # region's recompute after its forward ran the graph (fuzzer seed 32442).
+            with order or nullcontext(), _limit_raised(), stance, _noting(converted_here):
                 if again:
                     return recompute_in_order(frame, args, kwargs)
                 if frame is None:  # not under an eager checkpoint: no recompute, no watchdog

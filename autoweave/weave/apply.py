@@ -243,7 +243,7 @@ def _region_forward(
         region = _compat.regions.lookups_in_order(
             compile_fn(region, **region_kw),
             _compat.checkpoints.as_recompute_sees,
-            **_at_limit(region, label, region_kw),
+            **_at_limit(region, label, region_kw, pieces_fn),
         )
     else:
         # One compiled region, and one backend, per kind: identical blocks share both,
@@ -298,18 +298,28 @@ def _build_kind_region(
     compiled = _compat.regions.lookups_in_order(
         compile_fn(region, **region_kw),
         _compat.checkpoints.as_recompute_sees,
-        **_at_limit(region, label, region_kw),
+        **_at_limit(region, label, region_kw, pieces_fn),
         converted=converted,
     )
     return compiled, region, backend, label
 
 
-def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any]) -> dict[str, Any]:
-    """``lookups_in_order``'s arguments for a region at its recompile limit: what runs, and the warning."""
+def _at_limit(
+    region: Callable[..., Any], label: str, region_kw: dict[str, Any], pieces_fn: Any = None
+) -> dict[str, Any]:
+    """``lookups_in_order``'s arguments for a region at its recompile limit: what runs, and the warning.
 
-    def on_limit(frame: str, every: bool, storm: bool) -> None:
+    A pieces region (``pieces_fn``, the user's checkpoint its backend applies to each piece)
+    runs eager under that checkpoint, as plain torch runs the block: dynamo off in its
+    forward and in its recompute alike.
+    """
+    eager = region if pieces_fn is None else _under_checkpoint(pieces_fn, region)
+
+    def on_limit(frame: str, every: bool, storm: bool, checkpointed: bool) -> None:
         # ``every``: a frame resumed after a break is at the limit, not only the region's own.
         # ``storm``: not at the limit yet, but it compiled again at every call (the watchdog).
+        # ``checkpointed``: under an eager checkpoint, whose recompute runs what its forward ran.
+        under = checkpointed or pieces_fn is not None
         runs = "from this call on, every call" if every else "a call none of its graphs fits"
         where = (
             f"compiled again at each of one block's last {_compat.regions.STORM_CALLS} calls (frame {frame})"
@@ -320,7 +330,8 @@ def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any])
         told = warn_each(
             f"{tag}:{label}",
             f"[{tag}] woven region {label} {where}: "
-            f"{runs} runs eager under its checkpoint, forward and recompute alike, as in plain torch. "
+            f"{runs} runs eager{' under its checkpoint, forward and recompute alike' if under else ''}, "
+            "as in plain torch. "
             "TORCH_LOGS=recompiles says which guard failed each time",
         )
         if told:  # once per region, as the warning
@@ -330,12 +341,21 @@ def _at_limit(region: Callable[..., Any], label: str, region_kw: dict[str, Any])
         warn_each(f"fail-on-recompile:{label}", refused_note(f"woven region {label}"))
 
     return {
-        "eager": region,
+        "eager": eager,
         "recompile_limit": region_kw.get("recompile_limit"),
         "on_limit": on_limit,
         "on_refused": on_refused,
         "state": GuardedState,
     }
+
+
+def _under_checkpoint(checkpoint_fn: Any, region: Callable[..., Any]) -> Callable[..., Any]:
+    off = _compat.dynamo.outside_dynamo(region, traced_as=region)
+
+    def eager(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint_fn(off, *args, **kwargs)
+
+    return eager
 
 
 def refused_note(what: str) -> str:

@@ -489,6 +489,7 @@ class RegionBackend(_compat.backends.ForwardsToInner):
         return hash(type(self.inner))  # equal backends wrap equal inner backends, of one type
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        _compat.regions.note_converted()  # the frame dynamo converts is the running region's
         for listener in self.before_graph:
             try:
                 listener()

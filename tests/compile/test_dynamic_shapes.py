@@ -172,7 +172,7 @@ def test_full_ac_recompiles_as_plain_dynamo():
 
 
 @pytest.mark.fail_open  # the limit's warning is the point
-def test_a_pieces_block_at_the_recompile_limit_runs_under_its_checkpoint():
+def test_a_pieces_block_at_the_recompile_limit_runs_under_its_checkpoint(capfd):
     from autoweave.observe import report
     from benchmarks.measure import forward_gemms_outside_graphs
     from tests.models import saved_bytes
@@ -186,13 +186,18 @@ def test_a_pieces_block_at_the_recompile_limit_runs_under_its_checkpoint():
     )
     report.start(None)
     try:
-        # Static shapes and a limit of 1: the second length hits it. That call runs eager, without
-        # the checkpoint (dynamo decides before anyone can react); every later call runs under it.
+        # Static shapes and a limit of 1: the second length meets it. autoweave keeps the limit at
+        # the region's entry (dynamo never reaches its own there, nor warns): a call that fits
+        # none of its graphs runs eager under the user's checkpoint, that one and every later.
         with torch._dynamo.config.patch(recompile_limit=1), RecompileLimitHits() as hits:
             for length in (64, 64, 96, 96, 80):
                 x = torch.randn(2, length, DIM, requires_grad=True)
                 model(x).sum().backward()
-            assert hits.messages
+            assert not hits.messages, hits.messages
+            said = [line for line in capfd.readouterr().err.splitlines() if "[recompile-limit]" in line]
+            # Once per region at its limit: the block's, and its experts' (a region of their own).
+            assert any("autoweave_SeqBlock" in line for line in said), said
+            assert all("runs eager under its checkpoint" in line for line in said), said
             x = torch.randn(2, 72, DIM, requires_grad=True)
             woven, eager_sac = saved_bytes(model, x), saved_bytes(reference, x)
             gemms = forward_gemms_outside_graphs(model, x)

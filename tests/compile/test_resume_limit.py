@@ -113,3 +113,52 @@ def test_losses_and_grads_equal_plain_torch_through_the_limit(counts, ac, train,
     assert said, err
     assert all("(frame torch_dynamo_resume_in_autoweave_RouterBlock" in line for line in said), said
     assert not any("pieces" in line for line in said), said
+
+
+class HelperBlock(nn.Module):
+    """``forward`` calls a helper with the break (``self.ffn(h)``, as blocks write it); after
+    the break the helper reads ``self.scale``, which the trainer changes now and then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, DIM)
+        self.down = nn.Linear(DIM, DIM)
+        self.scale = 1
+
+    def ffn(self, h: torch.Tensor) -> torch.Tensor:
+        if h.detach().sum().item() > 1e9:  # a graph break: the helper resumes in a frame of its own
+            h = h * 2
+        return self.down(h) * self.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ffn(torch.relu(self.up(x)))
+
+
+def test_a_helper_frame_recompiling_now_and_then_stops_at_the_limit(capfd):
+    # Seed 32442's class: a helper a block calls at a break is a frame of its own, outside the
+    # region's own and resume frames. Before, its entries grew past the user's limit (dynamo's
+    # was raised in the woven call), one every few steps (too rarely for the watchdog): 9 frames
+    # converted by step 23, and growing. Now it counts at the region's entry: eager from the limit.
+    def train(plain: bool) -> tuple[list[float], list[int]]:
+        torch.manual_seed(0)
+        block = HelperBlock()
+        torch._dynamo.reset()
+        with autoweave.disabled() if plain else contextlib.nullcontext():
+            model = torch.compile(cw.checkpoint_wrapper(block), backend="aot_eager")
+        losses, frames = [], []
+        for step in range(20):
+            if step % 5 == 0:
+                block.scale = step + 1  # a new guarded value every fifth step
+            loss = model(torch.randn(4, DIM, generator=torch.Generator().manual_seed(step))).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+            frames.append(torch._dynamo.utils.counters["frames"]["total"])
+        return losses, frames
+
+    with torch._dynamo.config.patch(recompile_limit=2):
+        plain, _ = train(plain=True)
+        losses, frames = train(plain=False)
+    assert losses == pytest.approx(plain, rel=1e-6)
+    assert frames[-1] == frames[4], frames  # nothing converted after the limit was met
+    said = [line for line in capfd.readouterr().err.splitlines() if "[recompile-limit]" in line]
+    assert len(said) == 1 and "(frame torch_dynamo_resume_in_ffn" in said[0], said

@@ -103,9 +103,12 @@ LATE_HOOK_AT_THE_RECOMPILE_LIMIT = Case(
 
 def test_a_late_hook_at_a_low_recompile_limit_trains_as_plain(capsys: pytest.CaptureFixture[str]) -> None:
     assert _differences(LATE_HOOK_AT_THE_RECOMPILE_LIMIT) == []
-    # ... and says so, once, naming the region at its limit.
+    # ... and says so, once per region at its limit (the blocks', and the embedding's glue
+    # region, whose lengths vary: dynamo's own warning for it before, autoweave's since its
+    # limit is kept at the entry of every woven call: seed 32442).
     told = [line for line in capsys.readouterr().err.splitlines() if "is at dynamo's recompile limit" in line]
-    assert len(told) == 1 and "autoweave_FuzzBlock" in told[0], told
+    regions = [line.split("woven region ")[1].split()[0] for line in told]
+    assert len(set(regions)) == len(regions) and any("autoweave_FuzzBlock" in r for r in regions), told
 
 
 # Seed 3586 (issue 33's long run): a whole-model compile over selective-AC blocks with a
@@ -725,16 +728,14 @@ def test_a_fullgraph_error_after_the_first_call_holds_the_model_as_plain_torch_t
     assert _differences(FULLGRAPH_ERROR_AFTER_THE_FIRST_CALL) == []
 
 
-# Seed 32442 (found after issue 41's 1,021-case run, on the same code; open): whole-model compile
-# over two selective-AC blocks with a `.item()` break at their end, strategy auto, recompile limit
-# 2, a compiler-disabled forward hook added on block 1 before step 3. Plain torch trains; under
-# autoweave step 3's backward raises CheckpointError ("a different number of tensors was saved
-# during the original forward and recomputation"). Forced `hoist` or `pieces`, full AC, no hook
-# added, no recompile limit or a per-block compile: it trains. Strict: a fix makes this fail, and
-# the mark goes.
-@pytest.mark.xfail(
-    strict=True, reason="seed 32442: open, forward and recompute differ after a late hook under auto"
-)
+# Seed 32442 (found after issue 41's 1,021-case run): whole-model compile over two selective-AC
+# blocks with a `.item()` break in a helper method they share (`FuzzBlock._at`), strategy auto,
+# recompile limit 2, a compiler-disabled forward hook added on block 1 before step 3. The hook
+# made block 1 a kind of its own, planned as pieces (no eager checkpoint: dynamo's limit was not
+# raised in its call); `_at`, holding one entry per unequal backend, reached the limit there, and
+# dynamo ran it on its cached entries only from then on, in block 0's recompute too: another
+# graph than its forward ran (CheckpointError). Plain torch trains. Now every woven call keeps
+# the limit at its entry, counting the helpers it calls (``regions._helpers_at_limit``).
 def test_a_late_hook_under_auto_selective_ac_at_the_limit_trains_as_plain() -> None:
     import dataclasses
 
