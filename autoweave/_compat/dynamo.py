@@ -254,16 +254,20 @@ def recompiles_run_eager() -> Iterator[None]:
     compiled function reads the stance as it is entered, so the frames below see it.
     Where torch keeps no such dataclass, nothing changes.
     """
+    from autoweave import _installs
+
     module = _eval_frame()
     prior = getattr(module, "_stance", None)
     if getattr(prior, "stance", None) != FAIL_STANCE or not dataclasses.is_dataclass(prior):
         yield
         return
-    module._stance = dataclasses.replace(prior, stance=_RUN_ONLY_STANCE)
+    undo = _installs.patch(
+        module, "_stance", lambda user, _on: dataclasses.replace(user, stance=_RUN_ONLY_STANCE)
+    )
     try:
         yield
     finally:
-        module._stance = prior
+        undo()
 
 
 @contextmanager
@@ -278,29 +282,33 @@ def misses_decided(compiles: Callable[[Any], bool]) -> Iterator[None]:
     its backend identity (a cache entry is looked up by backend). Where torch keeps
     none of this, ``recompiles_run_eager``.
     """
+    from autoweave import _installs
+
     module = _eval_frame()
-    from_stance = getattr(module, "_callback_from_stance", None)
     once = _eager_once()
-    if not fails_on_recompile() or from_stance is None or once is None:
+    if not fails_on_recompile() or getattr(module, "_callback_from_stance", None) is None or once is None:
         with recompiles_run_eager():
             yield
         return
 
-    def callback_from_stance(callback: Any) -> Any:
-        if callback in (False, None) or not fails_on_recompile():
-            return from_stance(callback)
+    def deciding(from_stance: Callable[[Any], Any], _on: Callable[[], bool]) -> Callable[[Any], Any]:
+        def callback_from_stance(callback: Any) -> Any:
+            if callback in (False, None) or not fails_on_recompile():
+                return from_stance(callback)
 
-        def on_miss(frame: Any, *args: Any, **kwargs: Any) -> Any:
-            return callback(frame, *args, **kwargs) if compiles(frame.f_code) else once
+            def on_miss(frame: Any, *args: Any, **kwargs: Any) -> Any:
+                return callback(frame, *args, **kwargs) if compiles(frame.f_code) else once
 
-        on_miss._torchdynamo_orig_backend = callback  # type: ignore[attr-defined]
-        return on_miss
+            on_miss._torchdynamo_orig_backend = callback  # type: ignore[attr-defined]
+            return on_miss
 
-    module._callback_from_stance = callback_from_stance
+        return callback_from_stance
+
+    undo = _installs.patch(module, "_callback_from_stance", deciding)
     try:
         yield
     finally:
-        module._callback_from_stance = from_stance
+        undo()
 
 
 _TYPES = need("torch._dynamo.types", required=False)

@@ -46,10 +46,10 @@ def _label(owner: Any, attribute: str) -> str:
 
 def _apply(name: str, owner: Any, attribute: str, route: Callable[..., Any]) -> bool:
     """Install the patch ``name`` (once); True if a new wrapper went on now."""
-    fresh: list[bool] = []
+    fresh: list[Any] = []  # the original our new wrapper went on, as the patch read it
 
     def wrap(original: Any, _on: Callable[[], bool]) -> AutoweaveWrapper:
-        fresh.append(True)
+        fresh.append(original)
         return AutoweaveWrapper(original, route, enabled=lambda: key in _active)
 
     def apply() -> Callable[[], None]:
@@ -57,10 +57,11 @@ def _apply(name: str, owner: Any, attribute: str, route: Callable[..., Any]) -> 
             # Switched on before it goes on top; never two layers: a wrapper
             # left under someone else's is switched back on.
             _active.add(key)
-            current = getattr(owner, attribute)
-            if not any(isinstance(layer, AutoweaveWrapper) for layer in _installs.chain(current)):
+            if not any(
+                isinstance(layer, AutoweaveWrapper) for layer in _installs.chain(getattr(owner, attribute))
+            ):
                 undo = _installs.patch(owner, attribute, wrap, shadowed)
-                _applied[key] = _Patch(name, current, undo)
+                _applied[key] = _Patch(name, fresh[-1], undo)
                 logger.debug("patched %s", _label(owner, attribute))
             return lambda: _revert(key)
 
