@@ -241,11 +241,25 @@ def user_recompile_limit(given: int | None = None) -> int:
     return config.recompile_limit
 
 
+def with_headroom(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A region's compile kwargs, a ``recompile_limit=`` of its own raised as ``_limit_raised`` raises dynamo's.
+
+    torch 2.13+ takes a limit per ``torch.compile`` call, which dynamo checks in place of its
+    config's: left as given, a frame of the region reaches it mid-call (``CheckpointError``
+    under a hook that appends to a list, limit 1). The user's limit is kept at the entry
+    (``lookups_in_order``'s ``recompile_limit``).
+    """
+    limit = compile_kwargs.get("recompile_limit")
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return compile_kwargs
+    return {**compile_kwargs, "recompile_limit": limit + _LIMIT_HEADROOM}
+
+
 @contextmanager
 def _limit_raised() -> Iterator[None]:
     """dynamo's recompile limit raised by ``_LIMIT_HEADROOM`` while a woven call runs (process-wide).
 
-    A compile given its own ``recompile_limit=`` patches over it while it converts.
+    A compile's own ``recompile_limit=`` is raised where the region is compiled (``with_headroom``).
     """
     import torch._dynamo.config as config
 

@@ -241,7 +241,7 @@ def _region_forward(
             region_kw, backend = _backend_kwargs(kwargs, label, pieces_fn)
         region = _private_region(own, checkpoint_fn, label)
         region = _compat.regions.lookups_in_order(
-            compile_fn(region, **region_kw),
+            compile_fn(region, **_compat.regions.with_headroom(region_kw)),
             _compat.checkpoints.as_recompute_sees,
             **_at_limit(region, label, region_kw, pieces_fn),
         )
@@ -296,7 +296,7 @@ def _build_kind_region(
     # A recompute must run the graph its forward ran (``lookups_in_order``), from inputs that
     # meet the same guards (``as_recompute_sees``), and at the recompile limit the same code.
     compiled = _compat.regions.lookups_in_order(
-        compile_fn(region, **region_kw),
+        compile_fn(region, **_compat.regions.with_headroom(region_kw)),
         _compat.checkpoints.as_recompute_sees,
         **_at_limit(region, label, region_kw, pieces_fn),
         converted=converted,

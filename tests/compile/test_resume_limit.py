@@ -162,3 +162,35 @@ def test_a_helper_frame_recompiling_now_and_then_stops_at_the_limit(capfd):
     assert frames[-1] == frames[4], frames  # nothing converted after the limit was met
     said = [line for line in capfd.readouterr().err.splitlines() if "[recompile-limit]" in line]
     assert len(said) == 1 and "(frame torch_dynamo_resume_in_ffn" in said[0], said
+
+
+@pytest.mark.skipif(
+    "recompile_limit" not in __import__("inspect").signature(torch.compile).parameters,
+    reason="torch.compile takes no recompile_limit of its own before 2.13",
+)
+def test_a_recompile_limit_given_to_torch_compile_is_kept_at_the_entry_too():
+    # torch 2.13+ checks a compile's own ``recompile_limit=`` in place of its config's. Given as
+    # it was to the regions' compiles, the resume frame reached it mid-call: CheckpointError in
+    # the first backward after the hook's list grew (limit 1). Now raised there as the config's
+    # is, and kept at the region's entry.
+    def train(plain: bool) -> list[float]:
+        torch.manual_seed(0)
+        blocks = [RouterBlock("hook") for _ in range(2)]
+        x = torch.randn(4, DIM)
+        torch._dynamo.reset()
+        with autoweave.disabled() if plain else contextlib.nullcontext():
+            model = nn.Sequential(
+                *(
+                    torch.compile(cw.checkpoint_wrapper(b), backend="aot_eager", recompile_limit=1)
+                    for b in blocks
+                )
+            )
+        seen = []
+        for _ in range(STEPS):
+            loss = model(x).square().mean()
+            loss.backward()
+            seen += [loss.item(), blocks[0].norm.weight.grad.sum().item()]
+            model.zero_grad(set_to_none=True)
+        return seen
+
+    assert train(plain=False) == pytest.approx(train(plain=True), rel=1e-6)
