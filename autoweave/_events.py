@@ -21,14 +21,13 @@ Topics and what each publishes (positional arguments):
 - ``WOVEN_AROUND``: ``(dispatcher, fallbacks)``, a first call fell back to eager
   ``fallbacks`` times and the dispatcher re-planned around the break.
 - ``PLAN_RECORDED``: ``(entry,)``, the plan summary recorded a plan (``observe.summary.Entry``).
-- ``AC_KEPT``: ``(dispatcher,)``, a block woven as pieces reached dynamo's recompile limit and
-  runs eager under its checkpoint from the next call (``weave.keep_checkpoint``).
 - ``GRAPH_COMPILED``: ``(graph,)``, a woven region's backend compiled (or ran eager) one graph
   dynamo handed it (``weave.pieces.CompiledGraph``); published only while someone listens.
 - ``PLAIN_COMPILED``: ``(module, compiled)``, ``torch.compile`` (or ``module.compile()``) made
   ``compiled`` of ``module``, before any dispatcher exists; published only while someone listens.
-- ``AT_LIMIT``: ``(label,)``, a woven region under an eager checkpoint is at dynamo's recompile
-  limit and runs eager the calls none of its graphs fits (``_compat.regions.lookups_in_order``).
+- ``AT_LIMIT``: ``(label,)``, a woven region is at dynamo's recompile limit and runs eager
+  (under its checkpoint, if it has one) the calls none of its graphs fits
+  (``_compat.regions.lookups_in_order``).
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ PLANNED = "planned"
 CALLED_AGAIN = "called-again"
 WOVEN_AROUND = "woven-around"
 PLAN_RECORDED = "plan-recorded"
-AC_KEPT = "ac-kept"
 AT_LIMIT = "at-limit"
 GRAPH_COMPILED = "graph-compiled"
 PLAIN_COMPILED = "plain-compiled"

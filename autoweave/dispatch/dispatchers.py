@@ -35,7 +35,6 @@ The flow, one hop a line, from the user's compile to the report:
 
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -422,7 +421,6 @@ class _Dispatcher(FirstCall):
                 plan,
                 _compile_function,
                 self.compile_kwargs,
-                on_ac_kept=functools.partial(_events.publish, _events.AC_KEPT, self),
                 agree=self._agree,
             )
         self.skip_outer_checkpoint = plan.outer_push_down is not None and self._applied is not None

@@ -216,7 +216,6 @@ class _Stats:
             _events.subscribe(_events.PLAN_RECORDED, self.name_regions),
             _events.subscribe(_events.WOVEN_AROUND, self._on_woven_around),
             _events.subscribe(_events.MOVED, self._on_move),
-            _events.subscribe(_events.AC_KEPT, self._on_ac_kept),
             # Kept across torch._dynamo.reset(), which clears dynamo's callbacks (trace).
             trace.listen(self._on_start, self._on_end),
         ]
@@ -237,11 +236,6 @@ class _Stats:
         elif state == _events.PLAIN:
             # Plain torch.compile compiles at its first call: the one after it is steady.
             dispatcher.observe_next_call(_measuring(id(dispatcher)), skip=1)
-
-    def _on_ac_kept(self, dispatcher: Any) -> None:
-        # Blocks now run eager under their checkpoint: measure the next call again.
-        if dispatcher.state.value == _events.WOVEN:
-            dispatcher.observe_next_call(_measuring(id(dispatcher)))
 
     def _on_at_limit(self, label: str) -> None:
         self.limit_hits.append(

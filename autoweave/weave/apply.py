@@ -28,7 +28,6 @@ from autoweave.planning.plans import Action, Plan
 from autoweave.weave import on_own_code
 from autoweave.weave.first_call_memory import FirstCall
 from autoweave.weave.guarded_state import GuardedState
-from autoweave.weave.keep_checkpoint import AtRecompileLimit, PiecesBlock
 from autoweave.weave.pieces import CheckpointPieces, RegionBackend
 from autoweave.weave.shared_kinds import Install, KindRegion
 
@@ -136,7 +135,6 @@ class Applied:
 
     changes: list[tuple[nn.Module, Any]] = field(default_factory=list)
     regions: dict[str, str] = field(default_factory=dict)  # module path -> region label (shared code)
-    at_limit: AtRecompileLimit | None = None  # pieces blocks back under their checkpoint at the limit
     reverted: bool = False
 
     def _set_forward(self, module: nn.Module, fn: Any, opaque: bool = False) -> None:
@@ -163,9 +161,6 @@ class Applied:
         return install
 
     def revert(self) -> None:
-        if self.at_limit is not None:
-            self.at_limit.stop()
-            self.at_limit = None
         self.reverted = True
         for module, previous in reversed(self.changes):
             restore_forward(module, previous)
@@ -449,19 +444,16 @@ def apply_plan(
     plan: Plan,
     compile_fn: Callable[..., Any],
     compile_kwargs: dict[str, Any],
-    on_ac_kept: Callable[[], None] | None = None,
     agree: Callable[[list[bool]], list[bool]] = list,
 ) -> Applied:
     """Install the plan's regions under ``root`` (the unwrapped compile target).
 
     ``compile_fn`` compiles a function (``torch.compile``), each region through
     its ``RegionBackend`` (whose observers the report subscribes to).
-    ``on_ac_kept`` is told when a pieces block is put back under its checkpoint
-    at dynamo's recompile limit (``keep_checkpoint``). ``agree(flags)``: each
+    ``agree(flags)``: each
     flag, true if it is on any rank that runs the plan (``dispatch/plan_inputs``).
     """
     applied = Applied()
-    pieces_blocks: dict[str, nn.Module] = {}  # path -> AC wrapper whose checkpoint moved into pieces
     # The pieces backends of the regions under each AC moved into them (by the spec's id).
     pieces: dict[int, list[CheckpointPieces]] = {}
     try:
@@ -491,8 +483,6 @@ def apply_plan(
                 )
             elif decision.action is Action.PIECES:
                 forward = _without_checkpoint(module)
-            if decision.action is Action.PIECES:
-                pieces_blocks[decision.path] = module
             if decision.opaque:
                 # Keep this checkpointed module out of the enclosing region's
                 # trace: dynamo breaks the graph here instead of giving up on
@@ -500,28 +490,7 @@ def apply_plan(
                 forward = forward or user_forward(module)
             if forward is not None:
                 applied._set_forward(module, forward, decision.opaque)
-        applied.at_limit = _at_recompile_limit(applied, pieces_blocks, on_ac_kept)
     except BaseException:
         applied.revert()
         raise
     return applied
-
-
-def _at_recompile_limit(
-    applied: Applied, blocks: dict[str, nn.Module], on_kept: Callable[[], None] | None
-) -> AtRecompileLimit | None:
-    """Listening for the recompile limit on the regions of the pieces blocks (``keep_checkpoint``)."""
-
-    def under(path: str, block: str) -> bool:
-        return not block or path == block or path.startswith(f"{block}.")
-
-    def labels_under(path: str) -> frozenset[str]:
-        # ``applied.regions`` as it is then: a kind that splits moves blocks to new labels.
-        return frozenset(label for at, label in applied.regions.items() if under(at, path))
-
-    watch = AtRecompileLimit(applied.changes, applied._set_forward, on_kept)
-    for path, wrapper in blocks.items():
-        if labels_under(path):
-            watch.blocks.append(PiecesBlock(wrapper, functools.partial(labels_under, path)))
-    watch.start()
-    return watch if watch.blocks else None
