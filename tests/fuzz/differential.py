@@ -301,13 +301,14 @@ def _train(case: Case, outcome: Outcome, *, on: bool) -> None:
     outcome.alive_after_drop = param() is not None
 
 
-def run(case: Case, *, on: bool) -> Outcome:
-    """One run of ``case``: plain torch (``on=False``) or autoweave."""
+def run(case: Case, *, on: bool, dynamo: dict[str, Any] | None = None) -> Outcome:
+    """One run of ``case``: plain torch (``on=False``) or autoweave; ``dynamo``: more of dynamo's config."""
     outcome = Outcome()
     handler = _TorchWarnings()
     torch_logger = logging.getLogger("torch")
     torch_logger.addHandler(handler)
     config = {} if case.recompile_limit is None else {"recompile_limit": case.recompile_limit}
+    config.update(dynamo or {})
     try:
         with torch._dynamo.config.patch(**config), torch.random.fork_rng(), one_rank(case):
             _train(case, outcome, on=on)
@@ -448,6 +449,15 @@ def reference(case: Case, plain: Outcome, woven: Outcome) -> Outcome:
     if raised and woven.error is not None and woven.error[0] == 0 and woven.error[1] == "FullgraphBreak":
         ran = run(dataclasses.replace(case, fullgraph=False), on=False)
         return dataclasses.replace(plain, alive_after_drop=plain.alive_after_drop or ran.alive_after_drop)
+    # And where a hook was added after plain torch compiled the code it sits in: dynamo does not
+    # guard on hooks by default (``skip_nnmodule_hook_guards``), so plain torch.compile may run a
+    # graph traced without it, where eager torch runs the hook (seed 34327: a pre-hook added at
+    # step 1, then an eval step, whose blocks run without their checkpoint around ``__call__`` and
+    # are traced by the whole-model compile: plain skipped the hook, eager and autoweave ran it).
+    # The reference is then plain torch told to guard on hooks, which runs the user's program.
+    added = any(event == "hook-add" and at > 0 for at, event, *_ in case.events)
+    if added and plain.error is None and plain.losses != woven.losses:
+        return run(case, on=False, dynamo={"skip_nnmodule_hook_guards": False})
     return plain
 
 

@@ -743,3 +743,15 @@ def test_a_late_hook_under_auto_selective_ac_at_the_limit_trains_as_plain() -> N
 
     case = dataclasses.replace(draw(32442), events=((3, "hook-add", 1, True, "forward"),), parallel="none")
     assert _differences(case) == []
+
+
+# Seed 34327 (this stop's long run; the same on the code before it): a pre-hook added at step 1 on
+# a submodule of block 2, then an eval step, whose blocks (checkpointed around ``__call__`` only
+# in training) the whole-model compile traces. Plain torch.compile ran its graph traced without
+# the hook (dynamo does not guard on hooks by default); eager torch and autoweave ran the hook,
+# so the eval loss differed from plain's alone. The reference is plain torch told to guard on
+# hooks (``differential.reference``); autoweave must still equal it.
+def test_a_hook_added_after_compile_runs_in_an_eval_step_as_eager_torch_runs_it() -> None:
+    from tests.fuzz.grammar import draw
+
+    assert _differences(draw(34327)) == []
