@@ -755,3 +755,14 @@ def test_a_hook_added_after_compile_runs_in_an_eval_step_as_eager_torch_runs_it(
     from tests.fuzz.grammar import draw
 
     assert _differences(draw(34327)) == []
+
+
+# Seed 34651 (this stop's long run; the same on the code before it): the bound (the same blocks
+# without their break) kept the router statistic's ``.item()`` (``stat_gate``), a break of its
+# own, so its checkpointed blocks fell back to eager and compiled nothing: 0 recompiles allowed
+# per frame where the blocks without a break recompile per value and per grad mode (a block
+# frozen at step 2). autoweave's 7 recompiles over 6 frames were within what they need.
+def test_the_recompile_bound_is_the_blocks_without_any_break() -> None:
+    from tests.fuzz.grammar import draw
+
+    assert _differences(draw(34651)) == []
