@@ -33,7 +33,7 @@ import functools
 import inspect
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from autoweave import _installs
@@ -190,12 +190,13 @@ def _region_frames(fn: Callable[..., Any]) -> Iterator[tuple[Callable[..., Any],
                     todo.append(current.__globals__.get(name))
 
 
-def guard_texts(fn: Callable[..., Any]) -> Iterator[str]:
-    """The guard text of every cache entry of ``fn``'s code, the functions it wraps and its resume functions."""
-    for _, entries in _region_frames(fn):
-        for entry in entries:
-            manager = getattr(entry, "guard_manager", None)
-            yield from getattr(manager, "code_parts", None) or ()
+def guard_texts(fn: Callable[..., Any], codes: Iterable[Any] = ()) -> Iterator[str]:
+    """The guard text of every cache entry of ``fn``'s code, the functions it wraps, its resume functions and ``codes``."""
+    entries = [e for _, found in _region_frames(fn) for e in found]
+    entries += [e for code in tuple(codes) for e in cache_entries(code)]
+    for entry in entries:
+        manager = getattr(entry, "guard_manager", None)
+        yield from getattr(manager, "code_parts", None) or ()
 
 
 def entry_counts(fn: Callable[..., Any]) -> list[tuple[str, int]]:
@@ -203,9 +204,9 @@ def entry_counts(fn: Callable[..., Any]) -> list[tuple[str, int]]:
     return [(f.__code__.co_name, len(entries)) for f, entries in _region_frames(fn)]
 
 
-def guarded_attributes(fn: Callable[..., Any]) -> frozenset[str]:
-    """Names of attributes whose value ``fn``'s compiled code is guarded on (``==``, ``is``)."""
-    return frozenset(name for text in guard_texts(fn) for name in _GUARDED_ATTRIBUTE.findall(text))
+def guarded_attributes(fn: Callable[..., Any], codes: Iterable[Any] = ()) -> frozenset[str]:
+    """Names of attributes whose value ``fn``'s compiled code (and ``codes``') is guarded on (``==``, ``is``)."""
+    return frozenset(name for text in guard_texts(fn, codes) for name in _GUARDED_ATTRIBUTE.findall(text))
 
 
 # Where torch's wrappers of a backend keep the one they wrap: ``WrapBackendDebug`` and

@@ -353,7 +353,7 @@ def lookups_in_order(
     if eager is not None:
         uncompiled = outside_dynamo(eager, traced_as=eager)
         frame_fn = converted or eager
-        state = None if state is None else state(frame_fn)
+        state = None if state is None else state(frame_fn, converted_here)
         # Decided once per checkpoint, at the region's first call in its forward (before
         # its graphs record anything there), and found again by its recompute.
         decided: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()

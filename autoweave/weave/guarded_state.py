@@ -93,8 +93,12 @@ def _after(forward: Any, now: Any, recomputed: Any) -> Any:
 class GuardedState:
     """Notes a region's guarded scalars before its forward; presents them to its recompute."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], helpers: Iterable[Any] = ()) -> None:
         self._fn = fn
+        # The codes of the helper frames the region's calls converted (a set that grows): their
+        # guards count too (a decorated forward whose class ``forward`` is a frame of its own
+        # and reads ``self.calls``: fuzzer seed 35496).
+        self._helpers = helpers
         self._names: frozenset[str] = frozenset()
         self._made = -1  # dynamo's entries made when ``_names`` was read
 
@@ -121,7 +125,7 @@ class GuardedState:
 
     def _guarded(self, made: int) -> frozenset[str]:
         if made != self._made:  # guards are read again only when dynamo has made entries since
-            self._names, self._made = _compat.backends.guarded_attributes(self._fn), made
+            self._names, self._made = _compat.backends.guarded_attributes(self._fn, self._helpers), made
         return self._names
 
     def present(self, noted: list[tuple[Any, dict[str, Any]]], made: int) -> Restore:
