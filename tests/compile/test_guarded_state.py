@@ -77,7 +77,7 @@ def test_the_recompute_is_presented_the_forwards_guarded_values(monkeypatch: pyt
     from autoweave import _compat
 
     monkeypatch.setattr(
-        _compat.backends, "guarded_attributes", lambda fn: frozenset({"calls", "ready", "name"})
+        _compat.backends, "guarded_attributes", lambda fn, codes=(): frozenset({"calls", "ready", "name"})
     )
     module = _Holder()
     state = GuardedState(lambda: None)
@@ -110,7 +110,7 @@ def test_plain_objects_the_arguments_hold_are_presented_too(monkeypatch: pytest.
     """A cache made per call (transformers' DynamicCache): its slot, empty in the forward, stays so for the recompute."""
     from autoweave import _compat
 
-    monkeypatch.setattr(_compat.backends, "guarded_attributes", lambda fn: frozenset({"keys"}))
+    monkeypatch.setattr(_compat.backends, "guarded_attributes", lambda fn, codes=(): frozenset({"keys"}))
     cache = [_Slot(), _Slot()]
     state = GuardedState(lambda: None)
     noted = state.note((torch.ones(1), (cache, _Slotted(), _Lazy())), entries=0, made=0)
