@@ -54,7 +54,7 @@ graph dynamo specialized on the value (the graphs that run are the same), and
 is read while dynamo compiles, which ranks do at different calls: no collective
 is safe there. A graph or frame that fails to compile on one rank runs eager on
 that rank alone, as plain torch does (``[graph-eager]``, ``[region-eager]``), and
-so does a pieces block past dynamo's recompile limit (``keep_checkpoint``).
+so does a woven region at its recompile limit (``_compat.regions.lookups_in_order``).
 
 **The probe of a checkpoint's ``context_fn``** (``probe``, ``Lazily``): called once, outside any
 trace, to see what it returns. ``planning/checkpoint_calls`` judges the returned value; this is the only
