@@ -16,7 +16,9 @@ from pathlib import Path
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def run_ranks(cmd: Sequence[str], env: dict[str, str], *, timeout: int) -> subprocess.CompletedProcess:
+def run_ranks(
+    cmd: Sequence[str], env: dict[str, str], *, timeout: int, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """``cmd`` (a torchrun command) run to the end; fails the test if it fails.
 
     Run once more, and only once, when a rank aborted with ``TEARDOWN_ABORT``
@@ -24,7 +26,7 @@ def run_ranks(cmd: Sequence[str], env: dict[str, str], *, timeout: int) -> subpr
     abort twice, fails. A hang ends in the timeout.
     """
     for attempt in (1, 2):
-        proc = subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
         if proc.returncode == 0 or attempt == 2 or TEARDOWN_ABORT not in proc.stderr:
             break
         print(f"run_ranks: a rank aborted in gloo's teardown; running again: {' '.join(cmd)}")
