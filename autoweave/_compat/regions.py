@@ -402,8 +402,8 @@ def lookups_in_order(
                 every = bool(at) and at != [frame_fn.__code__.co_name]
                 eager = every or (bool(at) and _no_entry_at_limit(frame_fn, args, kwargs, limit))
             if frame is None:  # no recompute to match and no watchdog: this call alone
-                if eager and on_limit is not None:
-                    on_limit(at[-1], every, False, False)
+                if eager and on_limit is not None:  # settled by the watchdog, or at the limit
+                    on_limit(storm[0] if storm else at[-1], every, bool(storm), False)
                 return eager, None, False
             if not eager:
                 with suppress(TypeError):  # this decision's counts, and the one's before

@@ -791,3 +791,14 @@ def test_a_shared_helper_under_checkpoint_in_forward_recompiles_within_the_bound
     from tests.fuzz.grammar import draw
 
     assert _differences(draw(35566)) == []
+
+
+# Seed 36296 (a short run on this stop's final code): a block the steady-state watchdog had
+# settled (``self.calls += 1`` under ``checkpoint`` in forward), then an eval step under
+# ``no_grad`` (no eager checkpoint around the call): the entry decision for a call outside a
+# checkpoint named the frame at the limit where the watchdog had settled it, and raised
+# ``UnboundLocalError`` into the user's step. Plain torch trains.
+def test_a_settled_region_called_outside_its_checkpoint_runs_eager() -> None:
+    from tests.fuzz.grammar import draw
+
+    assert _differences(draw(36296)) == []
