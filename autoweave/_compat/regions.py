@@ -401,9 +401,9 @@ def lookups_in_order(
                     at += _helpers_at_limit(converted_here, counts, backend(), limit)
                 every = bool(at) and at != [frame_fn.__code__.co_name]
                 eager = every or (bool(at) and _no_entry_at_limit(frame_fn, args, kwargs, limit))
+            if eager and on_limit is not None:  # settled by the watchdog, or at the limit
+                on_limit(storm[0] if storm else at[-1], every, bool(storm), frame is not None)
             if frame is None:  # no recompute to match and no watchdog: this call alone
-                if eager and on_limit is not None:  # settled by the watchdog, or at the limit
-                    on_limit(storm[0] if storm else at[-1], every, bool(storm), False)
                 return eager, None, False
             if not eager:
                 with suppress(TypeError):  # this decision's counts, and the one's before
@@ -414,8 +414,6 @@ def lookups_in_order(
                         noted[frame] = state.note(
                             (*args, *kwargs.values()), sum(n for _, n in counts), entries_made()
                         )
-            if eager and on_limit is not None:
-                on_limit(storm[0] if storm else at[-1], every, bool(storm), True)
             with suppress(TypeError):
                 decided[frame] = eager
             return eager, frame, False
