@@ -283,6 +283,7 @@ def lookups_in_order(
     recompile_limit: int | None = None,
     on_limit: Callable[[str, bool, bool, bool], None] | None = None,
     on_refused: Callable[[], None] | None = None,
+    on_failure: Callable[[BaseException], None] | None = None,
     state: Any = None,
 ) -> Callable[..., Any]:
     """``compiled`` with dynamo's cache entries looked up in the order they were made.
@@ -335,7 +336,9 @@ def lookups_in_order(
     compile whose loop over such blocks breaks (dynamo then skips the frame).
     A plain compile (no region) raises as the user asked. ``on_refused`` is told
     when the region's first frame, holding entries, fits none of them (a recompile
-    refused: that call runs eager).
+    refused: that call runs eager). ``on_failure`` is told when the entry decision
+    itself raises (it may raise again, strict mode): that call and every one after
+    run ``eager``, the recompute of a forward decided before as that forward ran.
 
     ``state`` (``weave.guarded_state.GuardedState``, built from the first frame's
     function): notes, at the forward's decision, the guarded scalars the forward may
@@ -379,7 +382,22 @@ def lookups_in_order(
         def sharer(args: tuple[Any, ...]) -> Any:
             return next((a for a in args if isinstance(a, nn.Module)), frame_fn)
 
+        failed: list[bool] = []  # the entry decision itself failed once: eager from then on
+
         def runs_eager(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any, bool]:
+            # A failure of the decision's own (a torch whose cache reads another way) must not
+            # reach the user's step: the region runs eager from then on, the recompute of a
+            # forward decided before it as that forward ran (``decided``, read first).
+            try:
+                return decide(args, kwargs)
+            except Exception as exc:
+                if on_failure is None:
+                    raise
+                failed.append(True)
+                on_failure(exc)  # one warning, or raises in strict mode
+                return True, None, False
+
+        def decide(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any, bool]:
             # (_, None, _): not under an eager checkpoint, no recompute to match: decided per call.
             # (_, frame, True): the checkpoint's forward decided already: this is its recompute.
             found = _eager_checkpoint_frame()
@@ -391,6 +409,8 @@ def lookups_in_order(
             # it calls at a break (``converted_here``). Only the first frame's guards can be read
             # before the call: if it alone is at the limit, a call that fits one of its entries
             # still runs the graphs.
+            if failed:
+                return True, frame, False
             if storm:  # settled by the watchdog: every call from then on
                 eager = every = True
             else:

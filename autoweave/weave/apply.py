@@ -17,7 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from autoweave import _compat, _events
-from autoweave._failopen import warn_each
+from autoweave._failopen import swallowed, warn_each
 from autoweave._instances import install_forward, restore_forward
 from autoweave._log import logger
 from autoweave._state import run
@@ -336,11 +336,21 @@ def _at_limit(
     def on_refused() -> None:
         warn_each(f"fail-on-recompile:{label}", refused_note(f"woven region {label}"))
 
+    def on_failure(exc: BaseException) -> None:
+        swallowed(
+            "internal-error",
+            f"region-entry:{label}",
+            f"failed while deciding at the entry of woven region {label}: {type(exc).__name__}: {exc}; "
+            "from this call on it runs eager, as in plain torch",
+            exc,
+        )
+
     return {
         "eager": eager,
         "recompile_limit": region_kw.get("recompile_limit"),
         "on_limit": on_limit,
         "on_refused": on_refused,
+        "on_failure": on_failure,
         "state": GuardedState,
     }
 

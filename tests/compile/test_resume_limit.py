@@ -194,3 +194,35 @@ def test_a_recompile_limit_given_to_torch_compile_is_kept_at_the_entry_too():
         return seen
 
     assert train(plain=False) == pytest.approx(train(plain=True), rel=1e-6)
+
+
+@pytest.mark.fail_open
+def test_a_failure_of_the_entry_decision_runs_the_region_eager_not_into_the_step(monkeypatch, capfd):
+    # The decision reads dynamo's cache (``entry_counts``); a torch that keeps it another way
+    # would raise there, in the user's step. Now the region runs eager from that call on, with
+    # one warning, its forward and recompute alike: losses and gradients stay plain torch's.
+    from autoweave._compat import backends
+
+    plain = _train("calls", "full", plain=True, train=True)
+    entry_counts = backends.entry_counts
+    calls = [0]
+
+    def failing(fn):
+        calls[0] += 1
+        if calls[0] > 3:  # after the first compiles: some calls' forwards decided, then none can
+            raise RuntimeError("a cache read another way")
+        return entry_counts(fn)
+
+    monkeypatch.setattr(backends, "entry_counts", failing)
+    capfd.readouterr()
+    with torch._dynamo.config.patch(recompile_limit=LIMIT):
+        woven = _train("calls", "full", plain=False, train=True)
+    assert calls[0] > 3
+    for step, ((p_loss, p_grads), (w_loss, w_grads)) in enumerate(zip(plain, woven, strict=True)):
+        assert w_loss == pytest.approx(p_loss, rel=1e-6), step
+        for name, grad in p_grads.items():
+            torch.testing.assert_close(w_grads[name], grad, rtol=1e-6, atol=1e-7, msg=f"{name} step {step}")
+    said = [
+        line for line in capfd.readouterr().err.splitlines() if "region-entry" in line or "entry of" in line
+    ]
+    assert len(said) == 2 and all("[internal-error]" in line for line in said), said  # one per region
