@@ -339,7 +339,7 @@ def _at_limit(
     def on_failure(exc: BaseException) -> None:
         swallowed(
             "internal-error",
-            f"region-entry:{label}",
+            "internal-error",  # the first is the one to report, as every internal error
             f"failed while deciding at the entry of woven region {label}: {type(exc).__name__}: {exc}; "
             "from this call on it runs eager, as in plain torch",
             exc,
