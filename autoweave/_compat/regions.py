@@ -481,6 +481,26 @@ def lookups_in_order(
             watch(sharer(args), entries_made() != before, opens=True)
             return out
 
+        # Not under an eager checkpoint (pieces, glue) there are no cycles to watch. A call that
+        # made an entry and then fits none of its first frame's entries changed, itself, what
+        # dynamo guards on (``self.calls += 1``): the next call compiles again. Two such calls in
+        # a row, of any block of the region, settle it (fuzzer seed 39271: 3 recompiles of one
+        # frame by the third call, where plain torch ran the checkpointed blocks eager). State
+        # set once at a block's first call (a lazy buffer) strikes once: the next call fits.
+        strikes = [0]
+
+        def alone(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            before = entries_made()
+            out = compiled(*args, **kwargs)
+            if entries_made() == before or storm or not recompile_refused(frame_fn, args, kwargs):
+                strikes[0] = 0
+            else:
+                strikes[0] += 1
+                if strikes[0] >= 2:
+                    storm.append(frame_fn.__code__.co_name)
+                    _regions_settled[0] += 1
+            return out
+
         # Per checkpoint, under ``fail_on_recompile``: the code of each frame its forward ran
         # eager, none of its entries fitting. Its recompute runs those eager too, and compiles
         # a frame its forward ran compiled that now fits none (a traced hook's list one longer:
@@ -507,6 +527,7 @@ def lookups_in_order(
         at_limit = outside_dynamo(runs_eager, traced_as=runs_eager)
         recompute_in_order = outside_dynamo(recompute, traced_as=recompute)
         forward_in_order = outside_dynamo(forward, traced_as=forward)
+        alone_in_order = outside_dynamo(alone, traced_as=alone)
 
     def in_order(*args: Any, **kwargs: Any) -> Any:
         if inputs is not None:
@@ -533,8 +554,8 @@ def lookups_in_order(
             with order or nullcontext(), _limit_raised(), stance, _noting(converted_here):
                 if again:
                     return recompute_in_order(frame, args, kwargs)
-                if frame is None:  # not under an eager checkpoint: no recompute, no watchdog
-                    return compiled(*args, **kwargs)
+                if frame is None:  # not under an eager checkpoint: no recompute, no cycles
+                    return alone_in_order(args, kwargs)
                 return forward_in_order(args, kwargs)
         with order or nullcontext(), stance:
             return compiled(*args, **kwargs)

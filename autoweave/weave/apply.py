@@ -318,7 +318,7 @@ def _at_limit(
         under = checkpointed or pieces_fn is not None
         runs = "from this call on, every call" if every else "a call none of its graphs fits"
         where = (
-            f"compiled again at each of one block's last {_compat.regions.STORM_CALLS} calls (frame {frame})"
+            f"compiled again call after call (frame {frame})"
             if storm
             else f"is at dynamo's recompile limit (frame {frame})"
         )

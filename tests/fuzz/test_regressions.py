@@ -803,3 +803,16 @@ def test_a_settled_region_called_outside_its_checkpoint_runs_eager() -> None:
     from tests.fuzz.grammar import draw
 
     assert _differences(draw(36296)) == []
+
+
+# Seed 39271 (this stop's long run; the same on the code before it): per-block compile, three
+# blocks woven as ``pieces`` under selective AC, ``self.calls += 1``, a bool argument that differs
+# per block, FSDP2 with mixed precision: 5 recompiles over 4 frames (plain 0, eager under its
+# checkpoint). The kind split on ``calls`` (dynamo guards on it), so each new value moved blocks
+# to a region of its own (new code, new backend); and a pieces region, with no eager checkpoint
+# around it, had no watchdog of its own. Now a value a block changes as it runs splits nothing,
+# and two calls in a row that each leave their block fitting none of its entries settle the region.
+def test_a_counter_in_a_pieces_block_settles_at_its_second_call() -> None:
+    from tests.fuzz.grammar import draw
+
+    assert _differences(draw(39271)) == []
