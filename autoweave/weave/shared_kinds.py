@@ -18,8 +18,7 @@ resume functions it broke into) are read (``_compat.backends.guarded_attributes`
 public number or flag of the block's modules that dynamo guards on becomes part
 of the kind's key, and each value gets a region of its own (its own code
 object, so its own cache and recompile limit). Blocks move at the next compile of
-the kind; the region that already ran keeps the block it was compiled for. A value
-a block changes as it runs (a counter) sets no block apart and splits nothing.
+the kind; the region that already ran keeps the block it was compiled for.
 """
 
 from __future__ import annotations
@@ -71,9 +70,6 @@ class KindRegion:
         self._first: tuple | None = None  # constants of the first block (the base region's)
         self._blocks: weakref.WeakKeyDictionary[nn.Module, Install] = weakref.WeakKeyDictionary()
         self._placed: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()  # -> label
-        self._bound: weakref.WeakKeyDictionary[nn.Module, tuple] = (
-            weakref.WeakKeyDictionary()
-        )  # constants then
         self.base = self._new_region(())
         # The first block runs on the base region: its guards are the evidence a split is read from.
         self._by_split: dict[tuple, Region] = {(): self.base}
@@ -82,7 +78,6 @@ class KindRegion:
         """Run ``module`` on its region of the kind (``install``), and move it if the kind splits later."""
         if self._first is None:
             self._first = constants_of(module)
-        self._bound.setdefault(module, constants_of(module))
         self._blocks[module] = install
         self._place(module, install, moved_only=False)  # a plan applied again installs again
 
@@ -117,10 +112,7 @@ class KindRegion:
 
     def _read_guards(self) -> None:
         guarded = frozenset().union(*(_compat.backends.guarded_attributes(fn) for _, fn, _, _ in self._all))
-        # A value a block changes as it runs (``self.calls += 1``) sets no block apart: split on
-        # it, every call would move its block to a region of its own (fuzzer seed 39271).
-        moving = {c[1] for m, was in list(self._bound.items()) for c in set(was) ^ set(constants_of(m))}
-        names = self._split_names | (guarded & {name for _, name, _ in self._first or ()}) - moving
+        names = self._split_names | (guarded & {name for _, name, _ in self._first or ()})
         if names == self._split_names:
             return
         self._split_names = frozenset(names)
