@@ -30,6 +30,9 @@ class RunState:
         # What the run learned, written and read only by planning/learned (its ``Learned`` value):
         # forward code object -> why it breaks (what one block taught the others);
         self.learned_breaks: dict[Any, str] = {}
+        # dispatch/first_call: autoweave reset dynamo's cache of some code (a fallback learned),
+        # whose entries plain torch would still hold (``fail_on_recompile`` must not meet it).
+        self.codes_reset = False
         # kind of block -> what its pieces were measured to hold against eager SAC;
         self.learned_memory: dict[tuple, Any] = {}
         # id(context_fn) -> (context_fn, why a traced checkpoint cannot take it, or None).

@@ -304,6 +304,13 @@ class _Dispatcher(FirstCall):
                         self._enter(State.PLAIN, Why.WATCHED)
                 if watching:
                     return self._watched(self._plain, args, kwargs)
+            if _run.codes_reset and _compat.dynamo.fails_on_recompile():
+                # Plain torch holds the entries autoweave reset with a learned fallback: under
+                # ``fail_on_recompile`` a frame they would have fitted runs eager, not raise
+                # (fuzzer seed 39455: every block's ``__call__`` reset at step 0, compiled
+                # again for one block at step 2, then refused for the next).
+                with _compat.dynamo.recompiles_run_eager():
+                    return self._plain(*args, **kwargs)
             return self._plain(*args, **kwargs)
 
         # Under an outer compile (the whole model over compiled blocks) dynamo sees what

@@ -222,5 +222,6 @@ def _forget_traced_code(target: nn.Module) -> None:
         for fn in (cls.__dict__.get("forward"), cls.__dict__.get("__call__"))
         if (code := getattr(fn, "__code__", None)) is not None and fn is not nn.Module.__call__
     }
+    _run.codes_reset = True
     for code in codes:
         _compat.dynamo.reset_code(code)

@@ -827,3 +827,17 @@ def test_staggered_counters_in_pieces_blocks_convert_nothing_after_warm_up() -> 
     from tests.fuzz.grammar import draw
 
     assert _differences(draw(39256)) == []
+
+
+# Seed 39455 (this stop's long run; the same on the previous stop's code): three blocks that
+# checkpoint around ``__call__``, compiled one by one, FSDP2 with mixed precision, recompile
+# limit 2; at step 1 a force-eager step, a pre-hook added, then ``fail_on_recompile`` from
+# step 2. Each block's fallback at step 0 made autoweave reset dynamo's cache of the shared
+# ``__call__`` (a learned fallback), so at step 2 plain torch.compile compiled it again for
+# block 0 and raised for block 1, where plain torch held its entries and trained. Now, with a
+# code reset by autoweave, a plain call under ``fail_on_recompile`` runs a frame none of whose
+# entries fit eager.
+def test_fail_on_recompile_after_a_learned_fallback_reset_trains_as_plain() -> None:
+    from tests.fuzz.grammar import draw
+
+    assert _differences(draw(39455)) == []
