@@ -1,8 +1,7 @@
 """One compiled region per kind of identical blocks, split only where dynamo specializes.
 
-Identical blocks in one place (same code, structure, shapes, hooks and checkpoint, and
-the same path with container indices folded: ``apply``'s region key) share one compiled
-region, so compile cost stays flat in depth.
+Identical blocks (same code, structure, shapes, hooks and checkpoint: ``apply``'s
+region key) share one compiled region, so compile cost stays flat in depth.
 What the key cannot see is a number on a block that dynamo guards on:
 transformers' decoder layers read ``self.layer_idx`` to pick their cache slot
 when a cache is passed (``use_cache=True``), and dynamo then specializes each
