@@ -54,18 +54,6 @@ def block_kind(module: nn.Module, checkpoint: Any = None) -> BlockKind:
     )
 
 
-def place(path: str) -> tuple[str, ...]:
-    """Where a block sits under its compile target, container indices folded (``layers.#.mlp``).
-
-    Identical blocks in one place (the layers of a stack) see alike inputs. Same-class
-    modules in different places need not: an input and an output projection, one fed
-    data, the other activations that require grad. On one shared code dynamo recompiles
-    on each such difference, on top of one per shape, where code of their own each
-    compiles once per shape (fuzzer seed 35566: 3 recompiles of one frame against 1).
-    """
-    return tuple("#" if part.isdigit() else part for part in path.split(".")) if path else ()
-
-
 # Hooks change what a block runs, and dynamo does not guard on them
 # (``skip_nnmodule_hook_guards``): a block whose hook differs from its neighbours'
 # would run their compiled code, its hook gone from the second call on. Hooks torch's

@@ -115,14 +115,13 @@ def _private_region(call: Callable[..., Any], checkpoint_fn: Any, label: str) ->
 
 
 def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]) -> tuple:
-    """Regions with equal keys run the same code on same-shaped modules in one place: one cache.
+    """Regions with equal keys run the same code on same-shaped modules: they share one cache.
 
     Numbers on the modules (``layer_idx``) are not in it: a kind splits on one only
     when dynamo guards on it (``shared_kinds``).
     """
     kind = kinds.block_kind(module, getattr(decision.checkpoint, "checkpoint_fn", None))
-    place = kinds.place(decision.path)
-    return (kind, place, decision.action, decision.pieces, kinds.identity(compile_kwargs))
+    return (kind, decision.action, decision.pieces, kinds.identity(compile_kwargs))
 
 
 def _label(path: str, cls: type[nn.Module]) -> str:
