@@ -487,18 +487,28 @@ def lookups_in_order(
         # a row, of any block of the region, settle it (fuzzer seed 39271: 3 recompiles of one
         # frame by the third call, where plain torch ran the checkpointed blocks eager). State
         # set once at a block's first call (a lazy buffer) strikes once: the next call fits.
+        # Counted in a row per region and per block: blocks that share a counter's values
+        # alternate, the one called first making the entry each step that the others then fit
+        # (fuzzer seed 41297, whose module watchdog otherwise settled it into plain compile).
         strikes = [0]
+        struck: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
         def alone(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             before = entries_made()
             out = compiled(*args, **kwargs)
+            block = sharer(args)
             if entries_made() == before or storm or not recompile_refused(frame_fn, args, kwargs):
                 strikes[0] = 0
-            else:
-                strikes[0] += 1
-                if strikes[0] >= 2:
-                    storm.append(frame_fn.__code__.co_name)
-                    _regions_settled[0] += 1
+                with suppress(TypeError):
+                    struck.pop(block, None)
+                return out
+            strikes[0] += 1
+            mine = 0
+            with suppress(TypeError):
+                mine = struck[block] = struck.get(block, 0) + 1
+            if max(strikes[0], mine) >= 2:
+                storm.append(frame_fn.__code__.co_name)
+                _regions_settled[0] += 1
             return out
 
         # Per checkpoint, under ``fail_on_recompile``: the code of each frame its forward ran

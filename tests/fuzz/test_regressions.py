@@ -842,3 +842,16 @@ def test_fail_on_recompile_after_a_learned_fallback_reset_trains_as_plain() -> N
     from tests.fuzz.grammar import draw
 
     assert _differences(draw(39455)) == []
+
+
+# Seed 41297 (this stop's long run, on this stop's own watchdog for regions outside an eager
+# checkpoint): whole-model ``model.compile()``, blocks woven as pieces under selective AC with
+# ``self.calls += 1``, a hook added on block 2 and a dynamo reset at step 2. Blocks 0 and 1 share
+# a region and a counter's values: block 0 made the entry each step, block 1 fitted it, so the
+# region's strikes "in a row" never reached two; the module's watchdog settled the model into
+# plain torch.compile, which converted 3 frames after warm-up (plain 0). Now strikes count per
+# block too.
+def test_blocks_sharing_a_counters_values_settle_their_pieces_region() -> None:
+    from tests.fuzz.grammar import draw
+
+    assert _differences(draw(41297)) == []
