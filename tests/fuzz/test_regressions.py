@@ -855,3 +855,18 @@ def test_blocks_sharing_a_counters_values_settle_their_pieces_region() -> None:
     from tests.fuzz.grammar import draw
 
     assert _differences(draw(41297)) == []
+
+
+# Seed 42226 (this stop's last long run; the same on stop 52's code; open): whole-model
+# ``model.compile(fullgraph=True)`` over blocks with full AC, FSDP2 with mixed precision, a
+# cache passed, a router statistic read with ``.item()``. Both raise at step 0 (plain dynamo's
+# ``Unsupported``, autoweave its ``FullgraphBreak``), as expected; then the model dropped stays
+# alive under autoweave where plain torch frees it. No Python referrer chain to a module was
+# found (a walk 12 deep): something outside the collector's view holds it.
+@pytest.mark.xfail(
+    strict=True, reason="seed 42226: open, a dropped model stays alive after a fullgraph error"
+)
+def test_a_model_dropped_after_a_fullgraph_error_is_freed() -> None:
+    from tests.fuzz.grammar import draw
+
+    assert _differences(draw(42226)) == []
