@@ -494,17 +494,19 @@ def lookups_in_order(
         struck: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
         def alone(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            # Settled (``storm``), the region never gets here: its entry runs it eager.
             before = entries_made()
             out = compiled(*args, **kwargs)
-            block = sharer(args)
-            if entries_made() == before or storm or not recompile_refused(frame_fn, args, kwargs):
+            if entries_made() == before or not recompile_refused(frame_fn, args, kwargs):
                 strikes[0] = 0
-                with suppress(TypeError):
-                    struck.pop(block, None)
+                if struck:  # the common call pays no lookup: no block has struck
+                    with suppress(TypeError):
+                        struck.pop(sharer(args), None)
                 return out
             strikes[0] += 1
             mine = 0
             with suppress(TypeError):
+                block = sharer(args)
                 mine = struck[block] = struck.get(block, 0) + 1
             if max(strikes[0], mine) >= 2:
                 storm.append(frame_fn.__code__.co_name)

@@ -340,7 +340,7 @@ def _at_limit(
             "internal-error",
             "internal-error",  # the first is the one to report, as every internal error
             f"failed while deciding at the entry of woven region {label}: {type(exc).__name__}: {exc}; "
-            "from this call on it runs eager, as in plain torch",
+            "from this call on it runs eager",
             exc,
         )
 
