@@ -60,6 +60,12 @@ class Outcome:
     held_bytes: int | None = None  # C heap a training forward leaves held for backward
     frames: dict[int, int] = dataclasses.field(default_factory=dict)  # frame id -> its recompiles
     recompiles: int = 0
+    # Recompiles whose every cached entry failed on its backend alone (BACKEND_MATCH): a frame's
+    # first compile under another backend. autoweave builds one backend per kind of region, and a
+    # helper every kind reaches at a break compiles once per kind, as plain torch.compile of each
+    # block (a backend per call) compiles the code they share once per block.
+    new_backend_compiles: dict[int, int] = dataclasses.field(default_factory=dict)  # per frame id
+    kinds: int = 0  # the kinds of region autoweave built a backend for
     alive_after_drop: bool = False
     warnings: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     degraded: dict[str, int] = dataclasses.field(default_factory=dict)  # autoweave's fail-open slugs
@@ -94,10 +100,27 @@ def _compiles(outcome: Outcome) -> Iterator[Any]:
         callbacks.remove_start_callback(on_start) if on_start in _starts(callbacks) else None
         callbacks.register_start_callback(on_start)
 
+    convert = torch._dynamo.convert_frame
+    reasons_of = getattr(convert, "get_and_maybe_log_recompilation_reasons", None)
+
+    def reasons(*args: Any, **kwargs: Any) -> Any:  # dynamo's, called at each recompile
+        found = reasons_of(*args, **kwargs)
+        if found and all("BACKEND_MATCH" in reason for reason in found):
+            compile_id = torch._guards.CompileContext.current_compile_id()
+            match = re.search(r"(\d+)/(\d+)", str(compile_id))
+            if match:
+                frame = int(match.group(1))
+                outcome.new_backend_compiles[frame] = outcome.new_backend_compiles.get(frame, 0) + 1
+        return found
+
     register()
+    if reasons_of is not None:
+        convert.get_and_maybe_log_recompilation_reasons = reasons
     try:
         yield register
     finally:
+        if reasons_of is not None:
+            convert.get_and_maybe_log_recompilation_reasons = reasons_of
         with contextlib.suppress(Exception):
             callbacks.remove_start_callback(on_start)
 
@@ -315,6 +338,7 @@ def run(case: Case, *, on: bool, dynamo: dict[str, Any] | None = None) -> Outcom
     finally:
         torch_logger.removeHandler(handler)
         outcome.degraded = dict(_state.run.swallowed)
+        outcome.kinds = len(_state.run.region_backends)
         warned = set(_state.run.warned_keys)
         torch._dynamo.reset()
         _state.reset()
@@ -402,11 +426,22 @@ def differences(case: Case, plain: Outcome, woven: Outcome, bound: Outcome) -> l
     resets = 1 + sum(event == "reset" for _, event, *_ in case.events)
     storm = _compat.regions.STORM_CALLS if woven.settled else 0
     per_frame = resets * (1 + max(max(bound.frames.values(), default=0), storm))
-    if woven.recompiles > plain.recompiles + len(woven.frames) * per_frame:
+    # A frame's first compile under another kind's backend is that kind's compile, not a
+    # recompile (seed 50153: three kinds split on a counter, each compiling the helper ``_at``
+    # and its resume frame; the bound's checkpointed blocks fell back on the counter and
+    # compiled nothing): at most one per frame for each kind beyond the first. The check stays a
+    # sum over frames: one frame's count alone cannot tell a resume frame that recompiles per
+    # ``.item()`` value up to the limit (as ``torch.compile`` of the block without AC does) from
+    # a storm; the watchdog's own tests bound a region's frame (seed 39271's).
+    per_kind = resets * max(woven.kinds - 1, 0)
+    first_compiles = sum(min(n, per_kind) for n in woven.new_backend_compiles.values())
+    if woven.recompiles - first_compiles > plain.recompiles + len(woven.frames) * per_frame:
         out.append(
             f"recompiles: plain {plain.recompiles}, autoweave {woven.recompiles} over {len(woven.frames)} "
             f"frames (at most {per_frame} each; the block without its break recompiles a frame "
-            f"{max(bound.frames.values(), default=0)} times)"
+            f"{max(bound.frames.values(), default=0)} times"
+            + (f"; {first_compiles} of them first compiles of other kinds" if first_compiles else "")
+            + ")"
         )
     if woven.alive_after_drop and not plain.alive_after_drop:
         out.append("the dropped model stays alive (plain torch frees it)")
@@ -469,10 +504,11 @@ def check(seed: int) -> tuple[Case, list[str]]:
     plain = run(case, on=False)
     woven = run(case, on=True)
     plain = reference(case, plain, woven)
-    bound = Outcome()  # run only where the recompiles need it: a third run costs as much again
-    if woven.recompiles > plain.recompiles + len(woven.frames):
-        bound = run(bound_of(case), on=False)
-    return case, differences(case, plain, woven, bound)
+    found = differences(case, plain, woven, Outcome())
+    if any(line.startswith("recompiles:") for line in found):
+        # The bound is run only where the recompiles need it: a third run costs as much again.
+        found = differences(case, plain, woven, run(bound_of(case), on=False))
+    return case, found
 
 
 def bound_of(case: Case) -> Case:

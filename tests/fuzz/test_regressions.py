@@ -817,7 +817,13 @@ def test_a_settled_region_called_outside_its_checkpoint_runs_eager() -> None:
 def test_a_counter_in_a_pieces_block_settles_at_its_second_call() -> None:
     from tests.fuzz.grammar import draw
 
-    assert _differences(draw(39271)) == []
+    case = draw(39271)
+    woven = differential.run(case, on=True)
+    assert woven.settled
+    # Compiled at the first call, again at the second (the first strike), then settled: before,
+    # the region's frame recompiled 3 times until the module's watchdog settled the module.
+    assert max(woven.frames.values()) <= 1, woven.frames
+    assert _differences(case) == []
 
 
 # Seed 39256 (this stop's long run, on an intermediate commit that stopped splitting kinds on a
@@ -878,3 +884,17 @@ def test_a_model_dropped_after_a_fullgraph_error_is_freed() -> None:
     from tests.fuzz.grammar import draw
 
     assert _differences(draw(42226)) == []
+
+
+# Seed 50153 (stop 54's long run; the oracle's, not autoweave's): per-block compile of three
+# blocks under selective AC, ``self.calls += 1``, a print break inside the helper ``_at`` that
+# every block calls, FSDP2 with mixed precision, a block frozen at step 2. The counter splits the
+# blocks into three kinds, each with its backend, so the helper and its resume frame compile once
+# per kind (dynamo's BACKEND_MATCH), as plain ``torch.compile`` of each block (a backend per
+# call) compiles the code they share once per block. The bound (the blocks without their break)
+# said 0 per frame: its checkpointed blocks fell back on the counter and compiled nothing. Such a
+# compile is now counted as the kind's, not as a recompile, and frames are checked one by one.
+def test_a_helper_compiled_once_per_kind_is_not_a_recompile() -> None:
+    from tests.fuzz.grammar import draw
+
+    assert _differences(draw(50153)) == []
