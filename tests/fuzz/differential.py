@@ -62,8 +62,9 @@ class Outcome:
     recompiles: int = 0
     # Recompiles whose every cached entry failed on its backend alone (BACKEND_MATCH): a frame's
     # first compile under another backend. autoweave builds one backend per kind of region, and a
-    # helper every kind reaches at a break compiles once per kind, as plain torch.compile of each
-    # block (a backend per call) compiles the code they share once per block.
+    # helper every kind reaches at a break compiles once per kind: counted as the kind's, as the
+    # kind's own region code (a frame of its own) is. A kind splits only on a number dynamo
+    # guards on, which plain torch.compile of the same blocks recompiles their code on too.
     new_backend_compiles: dict[int, int] = dataclasses.field(default_factory=dict)  # per frame id
     kinds: int = 0  # the kinds of region autoweave built a backend for
     alive_after_drop: bool = False

@@ -890,10 +890,10 @@ def test_a_model_dropped_after_a_fullgraph_error_is_freed() -> None:
 # blocks under selective AC, ``self.calls += 1``, a print break inside the helper ``_at`` that
 # every block calls, FSDP2 with mixed precision, a block frozen at step 2. The counter splits the
 # blocks into three kinds, each with its backend, so the helper and its resume frame compile once
-# per kind (dynamo's BACKEND_MATCH), as plain ``torch.compile`` of each block (a backend per
-# call) compiles the code they share once per block. The bound (the blocks without their break)
-# said 0 per frame: its checkpointed blocks fell back on the counter and compiled nothing. Such a
-# compile is now counted as the kind's, not as a recompile, and frames are checked one by one.
+# per kind (dynamo's BACKEND_MATCH), where the kinds' own region codes are frames of their own and
+# were never counted as recompiles. The bound (the blocks without their break) said 0 per frame:
+# its checkpointed blocks fell back on the counter and compiled nothing. Such a compile is now
+# counted as the kind's, not as a recompile (at most one per frame for each kind beyond the first).
 def test_a_helper_compiled_once_per_kind_is_not_a_recompile() -> None:
     from tests.fuzz.grammar import draw
 
