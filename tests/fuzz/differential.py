@@ -91,9 +91,8 @@ def _compiles(outcome: Outcome) -> Iterator[Any]:
     def on_start(args: object = None, *_: object) -> None:
         if getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO") != "DYNAMO":
             return
-        match = re.search(r"(\d+)/(\d+)", str(getattr(args, "compile_id", "")))
-        if match:
-            frame, attempt = int(match.group(1)), int(match.group(2))
+        if ids := _frame_and_attempt(getattr(args, "compile_id", "")):
+            frame, attempt = ids
             outcome.frames[frame] = max(outcome.frames.get(frame, 0), attempt)
             outcome.recompiles += attempt > 0
 
@@ -107,11 +106,8 @@ def _compiles(outcome: Outcome) -> Iterator[Any]:
     def reasons(*args: Any, **kwargs: Any) -> Any:  # dynamo's, called at each recompile
         found = reasons_of(*args, **kwargs)
         if found and all("BACKEND_MATCH" in reason for reason in found):
-            compile_id = torch._guards.CompileContext.current_compile_id()
-            match = re.search(r"(\d+)/(\d+)", str(compile_id))
-            if match:
-                frame = int(match.group(1))
-                outcome.new_backend_compiles[frame] = outcome.new_backend_compiles.get(frame, 0) + 1
+            if ids := _frame_and_attempt(torch._guards.CompileContext.current_compile_id()):
+                outcome.new_backend_compiles[ids[0]] = outcome.new_backend_compiles.get(ids[0], 0) + 1
         return found
 
     register()
@@ -124,6 +120,12 @@ def _compiles(outcome: Outcome) -> Iterator[Any]:
             convert.get_and_maybe_log_recompilation_reasons = reasons_of
         with contextlib.suppress(Exception):
             callbacks.remove_start_callback(on_start)
+
+
+def _frame_and_attempt(compile_id: object) -> tuple[int, int] | None:
+    """The frame id and attempt of a dynamo compile id (``"3/1"``), None where it has none."""
+    match = re.search(r"(\d+)/(\d+)", str(compile_id))
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def _starts(callbacks: Any) -> list[Any]:
@@ -502,14 +504,20 @@ def check(seed: int) -> tuple[Case, list[str]]:
     from tests.fuzz.grammar import draw
 
     case = draw(seed)
+    return case, compare(case)[0]
+
+
+def compare(case: Case) -> tuple[list[str], Outcome]:
+    """Run ``case`` both ways: the differences, and autoweave's run."""
     plain = run(case, on=False)
     woven = run(case, on=True)
     plain = reference(case, plain, woven)
     found = differences(case, plain, woven, Outcome())
     if any(line.startswith("recompiles:") for line in found):
-        # The bound is run only where the recompiles need it: a third run costs as much again.
+        # The bound is run only where the recompiles need it: a third run costs as much again,
+        # and it can only allow more (an empty bound allows the least).
         found = differences(case, plain, woven, run(bound_of(case), on=False))
-    return case, found
+    return found, woven
 
 
 def bound_of(case: Case) -> Case:
