@@ -1,0 +1,193 @@
+"""torchrun worker: a hand-written FSDP2 training loop as trainers write it, plain torch against autoweave.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/distributed/trainer_loop_worker.py OUT
+
+The model is torchtitan's order on an MoE: each block ``checkpoint_wrapper``ed, compiled in place
+(``.compile(backend="aot_eager")``), then ``fully_shard`` on its ``experts`` (a unit inside the
+block's), on the block and on the root. The loop does what trainers do around the step and what no
+other test puts together:
+
+- gradient accumulation over two micro-batches of different lengths, with FSDP2's gradient sync
+  off for all but the last (``set_requires_gradient_sync``, as torchtitan, accelerate and Lightning
+  do for FSDP2): the first backward keeps unsharded gradients, the second reduce-scatters;
+- gradient clipping (``clip_grad_norm_`` over the DTensor parameters), its total norm recorded;
+- an evaluation pass every other step: ``model.eval()``, ``torch.no_grad()``, then ``model.train()``;
+- the model's state at the end read with ``get_model_state_dict`` (full tensors), as a checkpoint
+  would save it.
+
+Each variant runs with autoweave off and on (``VARIANTS``: full AC; selective AC saving the matmuls;
+the evaluation under ``inference_mode``; the embedding and routers frozen; bf16 parameters under
+FSDP2's ``MixedPrecisionPolicy``), and ``bf16-bound`` runs the bf16 blocks compiled without AC, the
+reference a compile's bf16 numerics are compared with. Rank 0 writes, per run: each micro-batch's
+loss, each step's gradient norm, ``grad is None`` per parameter after each step's backward, each
+evaluation's loss, the frames dynamo converted in each step (all ranks), dynamo's unique graphs,
+and the final state dict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch._dynamo.utils import counters
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import autoweave  # noqa: E402
+
+DIM, EXPERTS, LAYERS, STEPS = 16, 4, 3, 6
+VARIANTS = ("full", "sac", "bf16", "inference", "frozen")
+LENGTHS = (6, 4)  # the micro-batches' sequence lengths: the second is shorter
+
+
+class Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(EXPERTS, DIM, 2 * DIM) * 0.2)
+        self.w2 = nn.Parameter(torch.randn(EXPERTS, 2 * DIM, DIM) * 0.2)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(EXPERTS):
+            out = out + weights[:, e : e + 1] * (torch.relu(x @ self.w1[e]) @ self.w2[e])
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.mix = nn.Linear(DIM, DIM)
+        self.router = nn.Linear(DIM, EXPERTS)
+        self.experts = Experts()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.mix(self.norm(h))
+        flat = h.reshape(-1, DIM)
+        weights = self.router(flat).softmax(-1)
+        return h + self.experts(flat, weights).reshape(h.shape)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def _batch(step: int, micro: int, rank: int, length: int) -> torch.Tensor:
+    return torch.randn(
+        2, length, DIM, generator=torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    )
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    saved = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _wrap(block: nn.Module, variant: str) -> nn.Module:
+    if variant == "bf16-bound":  # the reference for bf16: compiled blocks without AC (nothing falls back)
+        return block
+    if variant == "sac":  # torchtitan's op-level selective AC: the matmuls saved
+        return cw.checkpoint_wrapper(
+            block, context_fn=lambda: create_selective_checkpoint_contexts(_save_matmuls)
+        )
+    return cw.checkpoint_wrapper(block)
+
+
+def run(on: bool, variant: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    with contextlib.nullcontext() if on else autoweave.disabled():
+        model = Model()
+        for i, block in enumerate(model.layers):
+            wrapped = _wrap(block, variant)
+            wrapped.compile(backend="aot_eager")
+            model.layers[i] = wrapped
+        if variant == "frozen":  # an adapter-style run: the embedding and the routers frozen
+            for param in (*model.embed.parameters(), *(b.router.weight for b in model.layers)):
+                param.requires_grad_(False)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        shard: dict[str, Any] = {"mesh": mesh, **({"mp_policy": mp} if variant.startswith("bf16") else {})}
+        for wrapped in model.layers:
+            fully_shard(getattr(wrapped, "_checkpoint_wrapped_module", wrapped).experts, **shard)
+            fully_shard(wrapped, **shard)
+        fully_shard(model, **shard)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    out: dict[str, Any] = {"losses": [], "norms": [], "none": [], "eval": [], "frames": [], "error": None}
+    for step in range(STEPS):
+        before = counters["frames"]["total"]
+        try:
+            model.train()
+            for micro, length in enumerate(LENGTHS):
+                model.set_requires_gradient_sync(micro == len(LENGTHS) - 1)
+                loss = model(_batch(step, micro, rank, length)).square().mean() / len(LENGTHS)
+                loss.backward()
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                out["losses"].append(total.item())
+            out["none"].append([p.grad is None for p in model.parameters()])
+            trained = [p for p in model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(trained, max_norm=0.5)
+            out["norms"].append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            opt.step()
+            opt.zero_grad()
+            if step % 2 == 1:
+                model.eval()
+                with torch.inference_mode() if variant == "inference" else torch.no_grad():
+                    held_out = model(_batch(step, 9, rank, LENGTHS[0])).square().mean()
+                dist.all_reduce(held_out)
+                out["eval"].append(held_out.item())
+                model.train()
+        except Exception as exc:  # compared with plain torch's
+            out["error"] = f"step {step}: {type(exc).__name__}: {str(exc)[:300]}"
+            return out
+        frames = torch.tensor([counters["frames"]["total"] - before])
+        dist.all_reduce(frames)
+        out["frames"].append(int(frames))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out["state"] = {name: t.flatten().tolist() for name, t in state.items()}
+    out["unique_graphs"] = int(counters["stats"]["unique_graphs"])
+    return out
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    autoweave.enable()
+    results = {
+        f"{variant}:{'on' if on else 'off'}": run(on, variant) for variant in VARIANTS for on in (False, True)
+    }
+    results["bf16-bound:off"] = run(False, "bf16-bound")
+    if dist.get_rank() == 0:
+        Path(sys.argv[1]).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
