@@ -2,7 +2,8 @@
 autoweave: gradient accumulation with FSDP2's gradient sync off for all but the last micro-batch,
 micro-batches of two lengths, gradient clipping, an evaluation pass every other step (``eval()``
 under ``no_grad`` or ``inference_mode``), frozen parameters, selective AC, bf16 mixed precision,
-and the model's state read as a checkpoint saves it. The worker is ``trainer_loop_worker.py``.
+the sharded model compiled whole, a resume mid-run into a fresh model and optimizer
+(``get_state_dict``/``set_state_dict``), and the model's state read as a checkpoint saves it. The worker is ``trainer_loop_worker.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tests.distributed import torchrun
 
 WORKER = Path(__file__).with_name("trainer_loop_worker.py")
 WARM_UP = 2  # steps: the first compiles each length; the second the first evaluation
-FP32 = ("full", "sac", "inference", "frozen")
+FP32 = ("full", "sac", "inference", "frozen", "whole", "resume")
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +42,11 @@ def _same_run(woven: dict, reference: dict, rel: float, state_abs: float) -> Non
 def test_a_trainer_loop_trains_as_plain_torch(results: dict, variant: str) -> None:
     plain, woven = results[f"{variant}:off"], results[f"{variant}:on"]
     _same_run(woven, plain, rel=1e-5, state_abs=1e-6)
-    # Plain torch runs every block eager (its checkpoint falls back at the experts' unit);
-    # autoweave compiled them.
+    # Plain torch runs every block eager (its checkpoint falls back at the experts' unit), and
+    # compiles no graph at all; autoweave compiled them.
     assert plain["unique_graphs"] == 0 < woven["unique_graphs"]
-    # After warm-up no rank converts a frame (plain torch converts none either).
+    # After warm-up no rank converts a frame (plain torch converts none either): the resumed
+    # model's blocks run the regions the first model's compiled.
     assert woven["frames"][WARM_UP:] == plain["frames"][WARM_UP:] == [0] * (len(plain["frames"]) - WARM_UP)
 
 

@@ -13,11 +13,13 @@ other test puts together:
 - gradient clipping (``clip_grad_norm_`` over the DTensor parameters), its total norm recorded;
 - an evaluation pass every other step: ``model.eval()``, ``torch.no_grad()``, then ``model.train()``;
 - the model's state at the end read with ``get_model_state_dict`` (full tensors), as a checkpoint
-  would save it.
+  would save it; in ``resume``, half-way through, a fresh model and optimizer built the same way and
+  loaded from the running ones' ``get_state_dict`` (a job resumed from its checkpoint).
 
 Each variant runs with autoweave off and on (``VARIANTS``: full AC; selective AC saving the matmuls;
 the evaluation under ``inference_mode``; the embedding and routers frozen; bf16 parameters under
-FSDP2's ``MixedPrecisionPolicy``), and ``bf16-bound`` runs the bf16 blocks compiled without AC, the
+FSDP2's ``MixedPrecisionPolicy``; ``whole``: no per-block compile, the sharded model
+``torch.compile``d whole, as accelerate and the HF Trainer do; ``resume``), and ``bf16-bound`` runs the bf16 blocks compiled without AC, the
 reference a compile's bf16 numerics are compared with. Rank 0 writes, per run: each micro-batch's
 loss, each step's gradient norm, ``grad is None`` per parameter after each step's backward, each
 evaluation's loss, the frames dynamo converted in each step (all ranks), dynamo's unique graphs,
@@ -38,7 +40,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._dynamo.utils import counters
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -49,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 import autoweave  # noqa: E402
 
 DIM, EXPERTS, LAYERS, STEPS = 16, 4, 3, 6
-VARIANTS = ("full", "sac", "bf16", "inference", "frozen")
+VARIANTS = ("full", "sac", "bf16", "inference", "frozen", "whole", "resume")
 LENGTHS = (6, 4)  # the micro-batches' sequence lengths: the second is shorter
 
 
@@ -116,17 +123,14 @@ def _wrap(block: nn.Module, variant: str) -> nn.Module:
     return cw.checkpoint_wrapper(block)
 
 
-def run(on: bool, variant: str) -> dict[str, Any]:
-    rank = dist.get_rank()
-    torch._dynamo.reset()
-    counters.clear()
+def _build(on: bool, variant: str, mesh: Any) -> nn.Module:
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     with contextlib.nullcontext() if on else autoweave.disabled():
         model = Model()
         for i, block in enumerate(model.layers):
             wrapped = _wrap(block, variant)
-            wrapped.compile(backend="aot_eager")
+            if variant != "whole":
+                wrapped.compile(backend="aot_eager")
             model.layers[i] = wrapped
         if variant == "frozen":  # an adapter-style run: the embedding and the routers frozen
             for param in (*model.embed.parameters(), *(b.router.weight for b in model.layers)):
@@ -137,11 +141,37 @@ def run(on: bool, variant: str) -> dict[str, Any]:
             fully_shard(getattr(wrapped, "_checkpoint_wrapped_module", wrapped).experts, **shard)
             fully_shard(wrapped, **shard)
         fully_shard(model, **shard)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        if variant == "whole":  # accelerate's and the HF Trainer's order: the sharded model compiled whole
+            model = torch.compile(model, backend="aot_eager")
+    return model
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _resumed(on: bool, model: nn.Module, opt: torch.optim.Optimizer, mesh: Any) -> tuple[Any, Any]:
+    """A fresh model and optimizer loaded from ``model``'s and ``opt``'s state, as a resumed job starts."""
+    model_state, opt_state = get_state_dict(model, opt)
+    fresh = _build(on, "resume", mesh)
+    fresh_opt = _optimizer(fresh)
+    set_state_dict(fresh, fresh_opt, model_state_dict=model_state, optim_state_dict=opt_state)
+    return fresh, fresh_opt
+
+
+def run(on: bool, variant: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    torch._dynamo.reset()
+    counters.clear()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _build(on, variant, mesh)
+    opt = _optimizer(model)
     out: dict[str, Any] = {"losses": [], "norms": [], "none": [], "eval": [], "frames": [], "error": None}
     for step in range(STEPS):
         before = counters["frames"]["total"]
         try:
+            if variant == "resume" and step == STEPS // 2:
+                model, opt = _resumed(on, model, opt, mesh)
             model.train()
             for micro, length in enumerate(LENGTHS):
                 model.set_requires_gradient_sync(micro == len(LENGTHS) - 1)
