@@ -1,7 +1,8 @@
 """A hand-written FSDP2 training loop as trainers write it, on 2 ranks (gloo), plain torch against
 autoweave: gradient accumulation with FSDP2's gradient sync off for all but the last micro-batch,
 micro-batches of two lengths, gradient clipping, an evaluation pass every other step (``eval()``
-under ``no_grad`` or ``inference_mode``), frozen parameters, selective AC, bf16 mixed precision,
+under ``no_grad`` or ``inference_mode``), frozen parameters, selective AC, bf16 mixed precision
+or autocast, hooks that log activation and gradient norms,
 the sharded model compiled whole, a resume mid-run into a fresh model and optimizer
 (``get_state_dict``/``set_state_dict``), and the model's state read as a checkpoint saves it. The worker is ``trainer_loop_worker.py``.
 """
@@ -17,7 +18,7 @@ from tests.distributed import torchrun
 
 WORKER = Path(__file__).with_name("trainer_loop_worker.py")
 WARM_UP = 2  # steps: the first compiles each length; the second the first evaluation
-FP32 = ("full", "sac", "inference", "frozen", "whole", "resume")
+FP32 = ("full", "sac", "inference", "frozen", "whole", "resume", "hooks")
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,8 @@ def _same_run(woven: dict, reference: dict, rel: float, state_abs: float) -> Non
     for key in ("losses", "norms", "eval"):
         assert woven[key] == pytest.approx(reference[key], rel=rel), key
     assert woven["none"] == reference["none"]  # grad is None where the reference's is, at every step
+    # Each hook call (forward and recompute, backward), in order, with what it read (4 decimals).
+    assert woven["seen"] == pytest.approx(reference["seen"], abs=2e-4)
     assert woven["state"].keys() == reference["state"].keys()
     for name, values in reference["state"].items():
         assert woven["state"][name] == pytest.approx(values, rel=rel, abs=state_abs), name
@@ -51,10 +54,12 @@ def test_a_trainer_loop_trains_as_plain_torch(results: dict, variant: str) -> No
 
 
 @pytest.mark.slow
-def test_under_bf16_mixed_precision_it_trains_as_the_same_blocks_compiled_without_ac(results: dict) -> None:
-    # In bf16 a compiled graph's backward sums gradients in another order than eager autograd,
-    # so plain torch (eager blocks) differs from any compile; the reference is the same blocks
-    # compiled without AC (nothing falls back), which autoweave matches (bitwise, measured here).
-    _same_run(results["bf16:on"], results["bf16-bound:off"], rel=1e-6, state_abs=1e-6)
-    plain = results["bf16:off"]
-    assert plain["error"] is None and results["bf16:on"]["none"] == plain["none"]
+@pytest.mark.parametrize("variant", ["bf16", "autocast"])
+def test_in_bf16_it_trains_as_the_same_blocks_compiled_without_ac(results: dict, variant: str) -> None:
+    # In bf16 (FSDP2's MixedPrecisionPolicy, or autocast) a compiled graph's backward sums
+    # gradients in another order than eager autograd, so plain torch (eager blocks) differs from
+    # any compile; the reference is the same blocks compiled without AC (nothing falls back),
+    # which autoweave matches (bitwise, measured here).
+    _same_run(results[f"{variant}:on"], results[f"{variant}-bound:off"], rel=1e-6, state_abs=1e-6)
+    plain = results[f"{variant}:off"]
+    assert plain["error"] is None and results[f"{variant}:on"]["none"] == plain["none"]

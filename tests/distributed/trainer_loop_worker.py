@@ -19,11 +19,13 @@ other test puts together:
 Each variant runs with autoweave off and on (``VARIANTS``: full AC; selective AC saving the matmuls;
 the evaluation under ``inference_mode``; the embedding and routers frozen; bf16 parameters under
 FSDP2's ``MixedPrecisionPolicy``; ``whole``: no per-block compile, the sharded model
-``torch.compile``d whole, as accelerate and the HF Trainer do; ``resume``), and ``bf16-bound`` runs the bf16 blocks compiled without AC, the
-reference a compile's bf16 numerics are compared with. Rank 0 writes, per run: each micro-batch's
-loss, each step's gradient norm, ``grad is None`` per parameter after each step's backward, each
+``torch.compile``d whole, as accelerate and the HF Trainer do; ``resume``; ``autocast``: the
+forward under bf16 autocast; ``hooks``: a forward and a full backward hook on each block's ``mix``
+logging norms with ``.item()``), and ``bf16-bound`` and ``autocast-bound`` run those blocks
+compiled without AC, the reference a compile's bf16 numerics are compared with. Rank 0 writes, per
+run: each micro-batch's loss, each step's gradient norm, ``grad is None`` per parameter after each step's backward, each
 evaluation's loss, the frames dynamo converted in each step (all ranks), dynamo's unique graphs,
-and the final state dict.
+what the hooks recorded, and the final state dict.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 import autoweave  # noqa: E402
 
 DIM, EXPERTS, LAYERS, STEPS = 16, 4, 3, 6
-VARIANTS = ("full", "sac", "bf16", "inference", "frozen", "whole", "resume")
+VARIANTS = ("full", "sac", "bf16", "inference", "frozen", "whole", "resume", "autocast", "hooks")
 LENGTHS = (6, 4)  # the micro-batches' sequence lengths: the second is shorter
 
 
@@ -113,8 +115,21 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _watch(block: Block, seen: list[float]) -> None:
+    """Activation and gradient statistics, as a trainer's logging callback records them."""
+
+    def forward_hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        seen.append(round(out.detach().norm().item(), 4))
+
+    def backward_hook(module: nn.Module, grad_in: Any, grad_out: Any) -> None:
+        seen.append(round(-grad_out[0].detach().norm().item(), 4))
+
+    block.mix.register_forward_hook(forward_hook)
+    block.mix.register_full_backward_hook(backward_hook)
+
+
 def _wrap(block: nn.Module, variant: str) -> nn.Module:
-    if variant == "bf16-bound":  # the reference for bf16: compiled blocks without AC (nothing falls back)
+    if variant.endswith("-bound"):  # the reference for bf16: compiled blocks without AC (nothing falls back)
         return block
     if variant == "sac":  # torchtitan's op-level selective AC: the matmuls saved
         return cw.checkpoint_wrapper(
@@ -123,11 +138,13 @@ def _wrap(block: nn.Module, variant: str) -> nn.Module:
     return cw.checkpoint_wrapper(block)
 
 
-def _build(on: bool, variant: str, mesh: Any) -> nn.Module:
+def _build(on: bool, variant: str, mesh: Any, seen: list[float] | None = None) -> nn.Module:
     torch.manual_seed(0)
     with contextlib.nullcontext() if on else autoweave.disabled():
         model = Model()
         for i, block in enumerate(model.layers):
+            if seen is not None:
+                _watch(block, seen)
             wrapped = _wrap(block, variant)
             if variant != "whole":
                 wrapped.compile(backend="aot_eager")
@@ -164,7 +181,9 @@ def run(on: bool, variant: str) -> dict[str, Any]:
     torch._dynamo.reset()
     counters.clear()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = _build(on, variant, mesh)
+    seen: list[float] = []  # what the hooks recorded, in order
+    model = _build(on, variant, mesh, seen if variant == "hooks" else None)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant.startswith("autocast"))
     opt = _optimizer(model)
     out: dict[str, Any] = {"losses": [], "norms": [], "none": [], "eval": [], "frames": [], "error": None}
     for step in range(STEPS):
@@ -175,7 +194,8 @@ def run(on: bool, variant: str) -> dict[str, Any]:
             model.train()
             for micro, length in enumerate(LENGTHS):
                 model.set_requires_gradient_sync(micro == len(LENGTHS) - 1)
-                loss = model(_batch(step, micro, rank, length)).square().mean() / len(LENGTHS)
+                with autocast:
+                    loss = model(_batch(step, micro, rank, length)).float().square().mean() / len(LENGTHS)
                 loss.backward()
                 total = loss.detach().clone()
                 dist.all_reduce(total)
@@ -189,7 +209,8 @@ def run(on: bool, variant: str) -> dict[str, Any]:
             if step % 2 == 1:
                 model.eval()
                 with torch.inference_mode() if variant == "inference" else torch.no_grad():
-                    held_out = model(_batch(step, 9, rank, LENGTHS[0])).square().mean()
+                    with autocast:
+                        held_out = model(_batch(step, 9, rank, LENGTHS[0])).float().square().mean()
                 dist.all_reduce(held_out)
                 out["eval"].append(held_out.item())
                 model.train()
@@ -202,6 +223,7 @@ def run(on: bool, variant: str) -> dict[str, Any]:
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out["state"] = {name: t.flatten().tolist() for name, t in state.items()}
     out["unique_graphs"] = int(counters["stats"]["unique_graphs"])
+    out["seen"] = seen
     return out
 
 
@@ -212,6 +234,7 @@ def main() -> None:
         f"{variant}:{'on' if on else 'off'}": run(on, variant) for variant in VARIANTS for on in (False, True)
     }
     results["bf16-bound:off"] = run(False, "bf16-bound")
+    results["autocast-bound:off"] = run(False, "autocast-bound")
     if dist.get_rank() == 0:
         Path(sys.argv[1]).write_text(json.dumps(results))
     dist.barrier()
