@@ -61,6 +61,8 @@ class RunState:
         # report: the label each plain compile autoweave routed is counted under.
         self.plain_labels: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self.plain_count = 0
+        # dispatch/dispatchers: every dispatcher alive, told to re-plan when another learns a break.
+        self.live: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def note_region(self, label: str, text: str) -> None:
         """Add ``text`` to what region ``label``'s compile had to do differently, once."""

@@ -56,7 +56,8 @@ from autoweave._state import run as _run
 from autoweave.dispatch import plan_inputs
 from autoweave.dispatch.first_call import FirstCall
 from autoweave.dispatch.states import _RUNS_REGIONS, _TRANSITIONS, State, Why
-from autoweave.planning import boundaries, planner
+from autoweave.planning import boundaries, kinds, planner
+from autoweave.planning.learned import hoist_reason
 from autoweave.sense import counting, names
 from autoweave.weave import apply
 
@@ -67,6 +68,17 @@ def _compile_function(*args: Any, **kwargs: Any) -> Any:
 
 
 # -- the deferred decision ----------------------------------------------------------------
+
+
+def _fingerprint(target: nn.Module) -> tuple:
+    modules = list(target.named_modules())
+    boundaries.watch(m for _, m in modules)  # a registration into any of them moves the signal
+    # A block measured holding more as pieces than eager SAC would is planned again (memory);
+    # one whose hooks changed too: dynamo never sees a hook added after it traced (tree_watch).
+    return tuple(
+        (name, type(m), getattr(m, boundaries.MARK, None), hoist_reason(m), kinds.hooks_key(m))
+        for name, m in modules
+    )
 
 
 class _Dispatcher(FirstCall):
@@ -115,6 +127,7 @@ class _Dispatcher(FirstCall):
         self._learned: dict[str, Any] = {}
         self._observed: set[str] = set()  # "_eager"/"_plain" while an observer waits on it
         self.call = self._make_call()  # what torch's compiled forward slot holds: see _make_call
+        _run.live.add(self)
 
     def _enter(self, state: State, why: Why) -> None:
         """Move to ``state`` for ``why``: the one place the state changes (holding ``_lock``).
@@ -237,12 +250,17 @@ class _Dispatcher(FirstCall):
             generation = _run.generation
             if generation == self._generation:
                 return False
-            fingerprint = plan_inputs.fingerprint(self.target)
+            fingerprint = _fingerprint(self.target)
             self._generation = generation
             if fingerprint == self._fingerprint:
                 return False
             self._decide(fingerprint)
             return True
+
+    def read_tree_again(self) -> None:
+        """Plan again at the next call, as if the tree had changed (a block sharing its code learned a break)."""
+        with self._lock:
+            self._fingerprint = None
 
     def set_outer(self, wrapper: nn.Module | None) -> None:
         """The AC wrapper around the compiled module whose checkpoint a plan may move inside (None: none)."""

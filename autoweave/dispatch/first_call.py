@@ -23,7 +23,7 @@ from autoweave._log import logger
 from autoweave._state import run as _run
 from autoweave.dispatch import plan_inputs
 from autoweave.dispatch.states import State, Why
-from autoweave.planning import planner
+from autoweave.planning import boundaries, planner
 from autoweave.planning.learned import learn_breaks, locate
 from autoweave.sense import counting, graph_breaks, names
 
@@ -182,7 +182,7 @@ class FirstCall:
             return False
         with self._lock, guard(f"re-planning {type(self.target).__name__}"):
             target = planner.unwrap(self.target)
-            learn_breaks(target, located)  # for the run: every block running this code plans with it
+            learn_breaks(target, located)
             learned: dict[str, Any] = {"breaks": {**self._learned.get("breaks", {}), **located}}
             plan = plan_inputs.plan(self.request(learned))
             if not plan.woven:
@@ -197,13 +197,15 @@ class FirstCall:
                 "; ".join(sorted(set(located.values()))) or "location unknown",
             )
             # Applied at the next call, not now: this call's backward will
-            # recompute its checkpoints through the modules as they ran. It knows what was
-            # learned: the tree it was made from is the one the next call finds.
-            self._fingerprint = plan_inputs.fingerprint(self.target)
+            # recompute its checkpoints through the modules as they ran.
             self._pending = plan
             self._enter(State.LEARNED, Why.FELL_BACK)
-        # Blocks running the same code met the same break, silently (the fallback is cached
-        # for the wrapper's code): each plans again at its next call, its fingerprint changed.
+        # Blocks running the same code met the same break, silently (the
+        # fallback is cached for the wrapper's code): each re-plans at its next call.
+        for other in list(_run.live):
+            if other is not self:
+                other.read_tree_again()
+        boundaries.bump()
         # That cached fallback also answers *other* modules sharing the code whose
         # guards it passes (a dense block behind the same CheckpointWrapper.forward
         # would run eager from then on): drop the cache of the code it was traced on.

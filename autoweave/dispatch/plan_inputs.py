@@ -82,7 +82,7 @@ import torch.nn as nn
 from autoweave import _compat, _instances, _settings
 from autoweave._failopen import swallowed
 from autoweave._log import logger
-from autoweave.planning import boundaries, checkpoint_calls, kinds, learned, planner
+from autoweave.planning import boundaries, checkpoint_calls, learned, planner
 from autoweave.planning.learned import Learned
 
 
@@ -102,22 +102,6 @@ class Request:
     outer: nn.Module | None = None
     call_traced: bool = True  # torch.compile(module) traces __call__; in-place compile does not
     taught: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-
-
-def fingerprint(target: nn.Module) -> tuple:
-    """The tree under ``target`` as a plan reads it: a plan made from another one is stale.
-
-    Besides its modules and their marks, what the run learned of each (``planning.learned``:
-    each fact learned moves the tree-change signal): a block whose code was learned to break,
-    or measured holding more as pieces than eager SAC would, is planned again; one whose hooks
-    changed too (dynamo never sees a hook added after it traced: ``tree_watch``).
-    """
-    modules = list(target.named_modules())
-    boundaries.watch(m for _, m in modules)  # a registration into any of them moves the signal
-    return tuple(
-        (name, type(m), getattr(m, boundaries.MARK, None), *learned.of_module(m), kinds.hooks_key(m))
-        for name, m in modules
-    )
 
 
 def request_of(module: nn.Module, *, fullgraph: bool | None = None) -> Request:

@@ -127,23 +127,11 @@ class Learned:
 
 
 def learn_breaks(target: Any, located: Mapping[int, str]) -> None:
-    """Remember the forward code of each located module (ids from ``locate``) as breaking.
-
-    The tree-change signal moves: every dispatcher whose tree holds a module running that
-    code (``of_module`` is in its fingerprint, ``dispatch.plan_inputs``) plans again at its
-    next call, as for a memory verdict (``learn_verdict``).
-    """
+    """Remember the forward code of each located module (ids from ``locate``) as breaking."""
     for module in target.modules():
         reason = located.get(id(module))
         if reason is not None and (code := forward_code(module)) is not None:
             run.learned_breaks.setdefault(code, reason)
-    boundaries.bump()
-
-
-def of_module(module: Any) -> tuple[str | None, str | None]:
-    """What the run learned of ``module``: why its code breaks, why its kind is planned with hoist."""
-    broke = run.learned_breaks.get(forward_code(module)) if run.learned_breaks else None
-    return broke, hoist_reason(module)
 
 
 def _breaks_under(target: Any) -> dict[int, str]:

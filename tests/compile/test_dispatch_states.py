@@ -70,22 +70,6 @@ def test_a_break_found_only_at_the_first_call_is_learned_then_woven() -> None:
     assert life[4:] == [("TRIAL", "APPLIED"), ("WOVEN", "COMPILED")]
 
 
-def test_a_learned_break_plans_again_only_the_modules_that_run_its_code() -> None:
-    # What the run learns travels one way (``planning.learned``, then the tree-change signal,
-    # read through each dispatcher's fingerprint): a compiled module whose tree does not run the
-    # code that broke keeps its plan (every dispatcher used to be told to plan again).
-    other = torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
-    learner = torch.compile(cw.checkpoint_wrapper(bm.ItemRouterBlock()), backend="aot_eager")
-    _step(other, torch.randn(4, 8))
-    x = torch.randn(6, bm.DIM)
-    for _ in range(3):
-        _step(learner, x)
-        _step(other, torch.randn(4, 8))
-    assert ("LEARNED", "FELL_BACK") in _life(learner)
-    assert dispatchers.dispatcher_of(learner).state is State.WOVEN
-    assert _life(other) == [("TRIAL", "PLANNED"), ("WOVEN", "COMPILED")]
-
-
 def test_a_module_compiled_before_disable_runs_plain_at_its_first_call_after_it() -> None:
     model = torch.compile(cw.checkpoint_wrapper(Block()), backend="aot_eager")
     autoweave.disable()
