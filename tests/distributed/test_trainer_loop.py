@@ -2,7 +2,8 @@
 autoweave: gradient accumulation with FSDP2's gradient sync off for all but the last micro-batch,
 micro-batches of two lengths, gradient clipping, an evaluation pass every other step (``eval()``
 under ``no_grad`` or ``inference_mode``), frozen parameters, selective AC, bf16 mixed precision
-or autocast, hooks that log activation and gradient norms,
+or autocast, hooks that log activation and gradient norms, FSDP2 units kept unsharded after
+forward or prefetching the next ones explicitly,
 the sharded model compiled whole, a resume mid-run into a fresh model and optimizer
 (``get_state_dict``/``set_state_dict``), and the model's state read as a checkpoint saves it. The worker is ``trainer_loop_worker.py``.
 """
@@ -18,7 +19,7 @@ from tests.distributed import torchrun
 
 WORKER = Path(__file__).with_name("trainer_loop_worker.py")
 WARM_UP = 2  # steps: the first compiles each length; the second the first evaluation
-FP32 = ("full", "sac", "inference", "frozen", "whole", "resume", "hooks")
+FP32 = ("full", "sac", "inference", "frozen", "whole", "resume", "hooks", "no-reshard", "prefetch")
 
 
 @pytest.fixture(scope="module")

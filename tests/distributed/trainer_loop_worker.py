@@ -21,8 +21,10 @@ the evaluation under ``inference_mode``; the embedding and routers frozen; bf16 
 FSDP2's ``MixedPrecisionPolicy``; ``whole``: no per-block compile, the sharded model
 ``torch.compile``d whole, as accelerate and the HF Trainer do; ``resume``; ``autocast``: the
 forward under bf16 autocast; ``hooks``: a forward and a full backward hook on each block's ``mix``
-logging norms with ``.item()``), and ``bf16-bound`` and ``autocast-bound`` run those blocks
-compiled without AC, the reference a compile's bf16 numerics are compared with. Rank 0 writes, per
+logging norms with ``.item()``; ``no-reshard``: every unit ``reshard_after_forward=False``;
+``prefetch``: each unit prefetches the next in forward and the previous in backward), and
+``bf16-bound`` and ``autocast-bound`` run those blocks compiled without AC, the reference a
+compile's bf16 numerics are compared with. Rank 0 writes, per
 run: each micro-batch's loss, each step's gradient norm, ``grad is None`` per parameter after each
 step's backward, each evaluation's loss, the frames dynamo converted in each step (all ranks),
 dynamo's unique graphs, what the hooks recorded, and the final state dict.
@@ -58,7 +60,19 @@ sys.path.insert(0, str(ROOT))
 import autoweave  # noqa: E402
 
 DIM, EXPERTS, LAYERS, STEPS = 16, 4, 3, 6
-VARIANTS = ("full", "sac", "bf16", "inference", "frozen", "whole", "resume", "autocast", "hooks")
+VARIANTS = (
+    "full",
+    "sac",
+    "bf16",
+    "inference",
+    "frozen",
+    "whole",
+    "resume",
+    "autocast",
+    "hooks",
+    "no-reshard",
+    "prefetch",
+)
 LENGTHS = (6, 4)  # the micro-batches' sequence lengths: the second is shorter
 
 
@@ -154,10 +168,17 @@ def _build(on: bool, variant: str, mesh: Any, seen: list[float] | None = None) -
                 param.requires_grad_(False)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         shard: dict[str, Any] = {"mesh": mesh, **({"mp_policy": mp} if variant.startswith("bf16") else {})}
+        if variant == "no-reshard":  # torchtitan's reshard_after_forward_policy="never"
+            shard["reshard_after_forward"] = False
         for wrapped in model.layers:
             fully_shard(getattr(wrapped, "_checkpoint_wrapped_module", wrapped).experts, **shard)
             fully_shard(wrapped, **shard)
         fully_shard(model, **shard)
+        if variant == "prefetch":  # explicit prefetching of the next block's (and its experts') unit
+            units = [m for w in model.layers for m in (w, w._checkpoint_wrapped_module.experts)]
+            for i, unit in enumerate(units):
+                unit.set_modules_to_forward_prefetch(units[i + 1 : i + 2])
+                unit.set_modules_to_backward_prefetch(units[max(i - 1, 0) : i][::-1])
         if variant == "whole":  # accelerate's and the HF Trainer's order: the sharded model compiled whole
             model = torch.compile(model, backend="aot_eager")
     return model
