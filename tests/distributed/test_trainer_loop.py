@@ -3,9 +3,10 @@ autoweave: gradient accumulation with FSDP2's gradient sync off for all but the 
 micro-batches of two lengths, gradient clipping, an evaluation pass every other step (``eval()``
 under ``no_grad`` or ``inference_mode``), frozen parameters, selective AC, bf16 mixed precision
 or autocast, hooks that log activation and gradient norms, FSDP2 units kept unsharded after
-forward or prefetching the next ones explicitly,
-the sharded model compiled whole, a resume mid-run into a fresh model and optimizer
-(``get_state_dict``/``set_state_dict``), and the model's state read as a checkpoint saves it. The worker is ``trainer_loop_worker.py``.
+forward or prefetching the next ones explicitly, dropout (the same masks drawn again in
+recompute), the sharded model compiled whole, a resume mid-run into a fresh model and optimizer
+(``get_state_dict``/``set_state_dict``), and the model's state read as a checkpoint saves it.
+The worker is ``trainer_loop_worker.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tests.distributed import torchrun
 
 WORKER = Path(__file__).with_name("trainer_loop_worker.py")
 WARM_UP = 2  # steps: the first compiles each length; the second the first evaluation
-FP32 = ("full", "sac", "inference", "frozen", "whole", "resume", "hooks", "no-reshard", "prefetch")
+FP32 = ("full", "sac", "inference", "frozen", "whole", "resume", "hooks", "no-reshard", "prefetch", "dropout")
 
 
 @pytest.fixture(scope="module")

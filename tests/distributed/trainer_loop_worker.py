@@ -22,10 +22,10 @@ FSDP2's ``MixedPrecisionPolicy``; ``whole``: no per-block compile, the sharded m
 ``torch.compile``d whole, as accelerate and the HF Trainer do; ``resume``; ``autocast``: the
 forward under bf16 autocast; ``hooks``: a forward and a full backward hook on each block's ``mix``
 logging norms with ``.item()``; ``no-reshard``: every unit ``reshard_after_forward=False``;
-``prefetch``: each unit prefetches the next in forward and the previous in backward), and
+``prefetch``: each unit prefetches the next in forward and the previous in backward;
+``dropout``: each block drops 10% of its mix's output, the same masks drawn again in recompute), and
 ``bf16-bound`` and ``autocast-bound`` run those blocks compiled without AC, the reference a
-compile's bf16 numerics are compared with. Rank 0 writes, per
-run: each micro-batch's loss, each step's gradient norm, ``grad is None`` per parameter after each
+compile's bf16 numerics are compared with. Rank 0 writes, per run: each micro-batch's loss, each step's gradient norm, ``grad is None`` per parameter after each
 step's backward, each evaluation's loss, the frames dynamo converted in each step (all ranks),
 dynamo's unique graphs, what the hooks recorded, and the final state dict.
 """
@@ -72,6 +72,7 @@ VARIANTS = (
     "hooks",
     "no-reshard",
     "prefetch",
+    "dropout",
 )
 LENGTHS = (6, 4)  # the micro-batches' sequence lengths: the second is shorter
 
@@ -90,25 +91,27 @@ class Experts(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dropout: float) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(DIM)
         self.mix = nn.Linear(DIM, DIM)
+        self.drop = nn.Dropout(dropout) if dropout else None
         self.router = nn.Linear(DIM, EXPERTS)
         self.experts = Experts()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.mix(self.norm(h))
+        mixed = self.mix(self.norm(h))
+        h = h + (mixed if self.drop is None else self.drop(mixed))
         flat = h.reshape(-1, DIM)
         weights = self.router(flat).softmax(-1)
         return h + self.experts(flat, weights).reshape(h.shape)
 
 
 class Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         self.embed = nn.Linear(DIM, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Block(dropout) for _ in range(LAYERS))
         self.head = nn.Linear(DIM, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +158,7 @@ def _wrap(block: nn.Module, variant: str) -> nn.Module:
 def _build(on: bool, variant: str, mesh: Any, seen: list[float] | None = None) -> nn.Module:
     torch.manual_seed(0)
     with contextlib.nullcontext() if on else autoweave.disabled():
-        model = Model()
+        model = Model(dropout=0.1 if variant == "dropout" else 0.0)
         for i, block in enumerate(model.layers):
             if seen is not None:
                 _watch(block, seen)
