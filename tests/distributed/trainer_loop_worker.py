@@ -23,11 +23,12 @@ FSDP2's ``MixedPrecisionPolicy``; ``whole``: no per-block compile, the sharded m
 forward under bf16 autocast; ``hooks``: a forward and a full backward hook on each block's ``mix``
 logging norms with ``.item()``; ``no-reshard``: every unit ``reshard_after_forward=False``;
 ``prefetch``: each unit prefetches the next in forward and the previous in backward;
-``dropout``: each block drops 10% of its mix's output, the same masks drawn again in recompute), and
+``dropout``: each block drops 10% of its mix's output, the masks drawn again in recompute), and
 ``bf16-bound`` and ``autocast-bound`` run those blocks compiled without AC, the reference a
-compile's bf16 numerics are compared with. Rank 0 writes, per run: each micro-batch's loss, each step's gradient norm, ``grad is None`` per parameter after each
-step's backward, each evaluation's loss, the frames dynamo converted in each step (all ranks),
-dynamo's unique graphs, what the hooks recorded, and the final state dict.
+compile's bf16 numerics are compared with. Rank 0 writes, per run: each micro-batch's loss, each
+step's gradient norm, ``grad is None`` per parameter after each step's backward, each evaluation's
+loss, the frames dynamo converted in each step (all ranks), dynamo's unique graphs, what the hooks
+recorded, and the final state dict.
 """
 
 from __future__ import annotations
