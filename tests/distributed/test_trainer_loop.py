@@ -4,7 +4,8 @@ micro-batches of two lengths, gradient clipping, an evaluation pass every other 
 under ``no_grad`` or ``inference_mode``), frozen parameters, selective AC, bf16 mixed precision
 or autocast, hooks that log activation and gradient norms, FSDP2 units kept unsharded after
 forward or prefetching the next ones explicitly, dropout (the same masks drawn again in
-recompute), the sharded model compiled whole, a resume mid-run into a fresh model and optimizer
+recompute), gradients zeroed rather than set to None, the same model run under ``no_grad`` before
+each micro-batch (RL's old policy), the sharded model compiled whole, a resume mid-run into a fresh model and optimizer
 (``get_state_dict``/``set_state_dict``), and the model's state read as a checkpoint saves it.
 The worker is ``trainer_loop_worker.py``.
 """
@@ -20,7 +21,20 @@ from tests.distributed import torchrun
 
 WORKER = Path(__file__).with_name("trainer_loop_worker.py")
 WARM_UP = 2  # steps: the first compiles each length; the second the first evaluation
-FP32 = ("full", "sac", "inference", "frozen", "whole", "resume", "hooks", "no-reshard", "prefetch", "dropout")
+FP32 = (
+    "full",
+    "sac",
+    "inference",
+    "frozen",
+    "whole",
+    "resume",
+    "hooks",
+    "no-reshard",
+    "prefetch",
+    "dropout",
+    "zero-grads",
+    "rl",
+)
 
 
 @pytest.fixture(scope="module")

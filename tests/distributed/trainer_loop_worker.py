@@ -23,7 +23,9 @@ FSDP2's ``MixedPrecisionPolicy``; ``whole``: no per-block compile, the sharded m
 forward under bf16 autocast; ``hooks``: a forward and a full backward hook on each block's ``mix``
 logging norms with ``.item()``; ``no-reshard``: every unit ``reshard_after_forward=False``;
 ``prefetch``: each unit prefetches the next in forward and the previous in backward;
-``dropout``: each block drops 10% of its mix's output, the masks drawn again in recompute), and
+``dropout``: each block drops 10% of its mix's output, the masks drawn again in recompute;
+``zero-grads``: ``zero_grad(set_to_none=False)``; ``rl``: each micro-batch first run through the same
+model under ``no_grad`` in train mode, its output part of the loss, as RL's old policy), and
 ``bf16-bound`` and ``autocast-bound`` run those blocks compiled without AC, the reference a
 compile's bf16 numerics are compared with. Rank 0 writes, per run: each micro-batch's loss, each
 step's gradient norm, ``grad is None`` per parameter after each step's backward, each evaluation's
@@ -74,6 +76,8 @@ VARIANTS = (
     "no-reshard",
     "prefetch",
     "dropout",
+    "zero-grads",
+    "rl",
 )
 LENGTHS = (6, 4)  # the micro-batches' sequence lengths: the second is shorter
 
@@ -219,8 +223,14 @@ def run(on: bool, variant: str) -> dict[str, Any]:
             model.train()
             for micro, length in enumerate(LENGTHS):
                 model.set_requires_gradient_sync(micro == len(LENGTHS) - 1)
+                x = _batch(step, micro, rank, length)
                 with autocast:
-                    loss = model(_batch(step, micro, rank, length)).float().square().mean() / len(LENGTHS)
+                    if variant == "rl":  # the same model's output under no_grad first, as RL's old policy
+                        with torch.no_grad():
+                            old = model(x)
+                        loss = (model(x) - 0.5 * old).float().square().mean() / len(LENGTHS)
+                    else:
+                        loss = model(x).float().square().mean() / len(LENGTHS)
                 loss.backward()
                 total = loss.detach().clone()
                 dist.all_reduce(total)
@@ -230,7 +240,7 @@ def run(on: bool, variant: str) -> dict[str, Any]:
             norm = torch.nn.utils.clip_grad_norm_(trained, max_norm=0.5)
             out["norms"].append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=variant != "zero-grads")
             if step % 2 == 1:
                 model.eval()
                 with torch.inference_mode() if variant == "inference" else torch.no_grad():
