@@ -5,8 +5,9 @@ under ``no_grad`` or ``inference_mode``), frozen parameters, selective AC, bf16 
 or autocast, hooks that log activation and gradient norms, FSDP2 units kept unsharded after
 forward or prefetching the next ones explicitly, dropout (the same masks drawn again in
 recompute), gradients zeroed rather than set to None, the same model run under ``no_grad`` before
-each micro-batch (RL's old policy), the sharded model compiled whole, a resume mid-run into a fresh model and optimizer
-(``get_state_dict``/``set_state_dict``), and the model's state read as a checkpoint saves it.
+each micro-batch (RL's old policy), the sharded model compiled whole, a resume mid-run into a
+fresh model and optimizer (``get_state_dict``/``set_state_dict``), and the model's state read as
+a checkpoint saves it.
 The worker is ``trainer_loop_worker.py``.
 """
 
@@ -18,23 +19,12 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import torchrun
+from tests.distributed.trainer_loop_worker import VARIANTS
 
 WORKER = Path(__file__).with_name("trainer_loop_worker.py")
 WARM_UP = 2  # steps: the first compiles each length; the second the first evaluation
-FP32 = (
-    "full",
-    "sac",
-    "inference",
-    "frozen",
-    "whole",
-    "resume",
-    "hooks",
-    "no-reshard",
-    "prefetch",
-    "dropout",
-    "zero-grads",
-    "rl",
-)
+BF16 = ("bf16", "autocast")  # compared with the same blocks compiled without AC
+FP32 = tuple(v for v in VARIANTS if v not in BF16)  # the worker's list: one place names the variants
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +60,7 @@ def test_a_trainer_loop_trains_as_plain_torch(results: dict, variant: str) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["bf16", "autocast"])
+@pytest.mark.parametrize("variant", BF16)
 def test_in_bf16_it_trains_as_the_same_blocks_compiled_without_ac(results: dict, variant: str) -> None:
     # In bf16 (FSDP2's MixedPrecisionPolicy, or autocast) a compiled graph's backward sums
     # gradients in another order than eager autograd, so plain torch (eager blocks) differs from
