@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,15 +38,6 @@ _EAGER_CHECKPOINT_HOOKS = (
 _SAC_FORWARD_MODE = need("torch.utils.checkpoint._CachingTorchDispatchMode", required=False)
 _SAC_CONTEXT = need("torch.utils.checkpoint.SelectiveCheckpointContext", required=False)
 _SAC_CONTEXTS = need("torch.utils.checkpoint.create_selective_checkpoint_contexts", required=False)
-# Reading beneath the innermost saved-tensor hooks (``_hooks_beneath_innermost``).
-_HOOKS_STACK = tuple(
-    need(f"torch._C._autograd.{name}", required=False)
-    for name in (
-        "_saved_tensors_hooks_is_enabled",
-        "_pop_saved_tensors_default_hooks",
-        "_push_saved_tensors_default_hooks",
-    )
-)
 _DISPATCH_MODE = need("torch.utils._python_dispatch.TorchDispatchMode", required=False)
 _FAKE_TENSOR_MODE = need("torch._subclasses.fake_tensor.FakeTensorMode", required=False)
 _IS_FAKE = need("torch._subclasses.fake_tensor.is_fake", required=False)
@@ -158,7 +148,7 @@ def _unviewed() -> Any:
 def as_recompute_sees(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args`` and ``kwargs`` with every view among their tensors as its recompute will see it.
+    """``args`` and ``kwargs`` with every view among their tensors as its recompute will see it: not a view.
 
     An eager checkpoint saves its inputs for the recompute; under saved-tensor
     hooks (a user's ``saved_tensors_hooks``, ``save_on_cpu``) autograd hands
@@ -167,65 +157,21 @@ def as_recompute_sees(
     would run one graph in forward and look up another in the recompute (or,
     past the recompile limit, run eager), whose ops and saves differ from the
     forward's. Given as a non-view in both, it meets the same guards. No copy:
-    the same storage, sizes and strides. Without such hooks, unchanged.
+    the same storage, sizes and strides.
     """
     import torch
 
     if not in_eager_checkpoint():
         return args, kwargs  # nothing saves them for a recompute
-    if not any(type(v) is torch.Tensor and v._is_view() for v in (*args, *kwargs.values())):
-        return args, kwargs
-    if not _inputs_come_back_unviewed():
-        return args, kwargs  # the views come back as views: the same guards as they are
 
     def plain(value: Any) -> Any:
         if type(value) is torch.Tensor and value._is_view():
             return _unviewed()(value) if value.requires_grad else value.detach()
         return value
 
+    if not any(type(v) is torch.Tensor and v._is_view() for v in (*args, *kwargs.values())):
+        return args, kwargs
     return tuple(map(plain, args)), {k: plain(v) for k, v in kwargs.items()}
-
-
-# Per eager checkpoint (its ``_CheckpointFrame``, which its forward and recompute share): does it
-# hand its inputs back as non-views? Decided in the forward, found again by the recompute.
-_UNVIEWED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-
-
-def _inputs_come_back_unviewed() -> bool:
-    """Does the innermost eager checkpoint hand its inputs back to its recompute as non-views?
-
-    It does when it saved them under saved-tensor hooks (a user's, ``save_on_cpu``, an
-    outer checkpoint's): autograd unpacks a hooked tensor as one of its own. Without
-    hooks it hands back the very tensor, a view still, and the forward's views need no
-    change (none of the ``detach``es a step would cost). The checkpoint saves its inputs
-    before it installs its own hooks, so the forward reads the hooks beneath those; the
-    recompute (under other hooks) takes the forward's answer. True where it cannot tell.
-    """
-    found = eager_checkpoint_frame()
-    if found is None:
-        return True
-    frame, recompute = found
-    try:
-        known = _UNVIEWED.get(frame)
-        if known is None:
-            known = _UNVIEWED[frame] = True if recompute else _hooks_beneath_innermost()
-    except TypeError:  # a frame that takes no weak reference
-        return True
-    return known
-
-
-def _hooks_beneath_innermost() -> bool:
-    # The stack of saved-tensor hooks has no reader below its top: lift the top off, read, put it
-    # back (the same objects; thread-local). Where hooks are disabled nothing may be pushed.
-    enabled, pop, push = map(find_optional, _HOOKS_STACK)
-    top = _top_saved_tensors_hooks()
-    if None in (enabled, pop, push, top) or not enabled():
-        return True
-    pop()
-    try:
-        return _top_saved_tensors_hooks(unknown=True) is not None
-    finally:
-        push(*top)
 
 
 @functools.cache
