@@ -39,6 +39,7 @@ VARIANTS = (
     "ac_compile",
     "autoweave:hoist",
     "autoweave:pieces",
+    "autoweave+nested",
 )
 
 

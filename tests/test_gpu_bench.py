@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "gpu_bench.py"
 VARIANTS = (
     "eager", "compile_ac", "hand_weave", "autoweave", "upper_bound", "ac_compile", "nofsdp_compile_ac",
-    "nofsdp_autoweave", "autoweave:hoist", "autoweave:pieces",
+    "nofsdp_autoweave", "autoweave:hoist", "autoweave:pieces", "autoweave+nested",
 )  # fmt: skip
 IMPORTANT = VARIANTS[:5]
 
@@ -215,18 +215,33 @@ def test_the_census_counts_what_runs_outside_graphs(tmp_path: Path) -> None:
     proc = _run(tmp_path, "--variants", "census", "--ac", "full", "--steps", "1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     rows = {r["variant"]: r for r in json.loads((tmp_path / "gpu_bench.json").read_text())["variants"]}
-    assert set(rows) == {"upper_bound", "autoweave", "autoweave:hoist", "autoweave:pieces"}
+    assert set(rows) == {
+        "upper_bound",
+        "autoweave",
+        "autoweave:hoist",
+        "autoweave:pieces",
+        "autoweave+nested",
+    }
     bound = rows["upper_bound"]["census"]
     # The bound compiles each block whole, its checkpoint inside the graph: a few ops of glue outside
     # (the embedding, the loss), no recompute of a forward graph in backward.
     assert bound["forward"]["forward_graphs"] >= 2 and bound["forward"]["eager_ops"] <= 5, bound
     assert bound["backward"]["forward_graphs"] == 0 and bound["backward"]["backward_graphs"] >= 2, bound
-    for name in ("autoweave", "autoweave:hoist", "autoweave:pieces"):
+    for name in ("autoweave", "autoweave:hoist", "autoweave:pieces", "autoweave+nested"):
         census = rows[name]["census"]
         # Woven around the experts' unit: more graphs, and that unit's own hooks inside FSDP's ranges.
         assert census["forward"]["forward_graphs"] > bound["forward"]["forward_graphs"], name
         assert census["forward"]["fsdp_ops"] > bound["forward"]["fsdp_ops"], name
         assert sum(census["forward"]["eager_by_op"].values()) == census["forward"]["eager_ops"], name
+    # With nested graph breaks the MoE block is 3 graphs, not 5, and outside them autoweave runs no op
+    # the bound does not but its own detaches (an eager checkpoint's view inputs as non-views).
+    nested, default = rows["autoweave+nested"]["census"], rows["autoweave"]["census"]
+    assert nested["forward"]["forward_graphs"] == default["forward"]["forward_graphs"] - 2, (nested, default)
+    for phase in ("forward", "backward"):
+        beyond = {
+            op for op, n in nested[phase]["eager_by_op"].items() if n > bound[phase]["eager_by_op"].get(op, 0)
+        }
+        assert beyond <= {"aten::detach"}, (phase, beyond)
     # An eager checkpoint recomputes the hoisted region's graphs; pieces recompute inside theirs.
     assert rows["autoweave:hoist"]["census"]["backward"]["forward_graphs"] > 0
     assert rows["autoweave:pieces"]["census"]["backward"]["forward_graphs"] == 0
