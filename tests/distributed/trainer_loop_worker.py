@@ -25,7 +25,9 @@ logging norms with ``.item()``; ``no-reshard``: every unit ``reshard_after_forwa
 ``prefetch``: each unit prefetches the next in forward and the previous in backward;
 ``dropout``: each block drops 10% of its mix's output, the masks drawn again in recompute;
 ``zero-grads``: ``zero_grad(set_to_none=False)``; ``rl``: each micro-batch first run through the same
-model under ``no_grad`` in train mode, its output part of the loss, as RL's old policy), and
+model under ``no_grad`` in train mode, its output part of the loss, as RL's old policy; ``accum``: 1,
+3 or 2 micro-batches a step, of lengths seen and new; ``unfreeze``: the routers frozen, in the
+optimizer all along, and trained from step ``UNFREEZE_AT`` on), and
 ``bf16-bound`` and ``autocast-bound`` run those blocks compiled without AC, the reference a
 compile's bf16 numerics are compared with. Rank 0 writes, per run: each micro-batch's loss, each
 step's gradient norm, ``grad is None`` per parameter after each step's backward, each evaluation's
@@ -78,8 +80,13 @@ VARIANTS = (
     "dropout",
     "zero-grads",
     "rl",
+    "accum",
+    "unfreeze",
 )
 LENGTHS = (6, 4)  # the micro-batches' sequence lengths: the second is shorter
+# ``accum``: 1, 3 or 2 micro-batches a step (a token budget per step, as packing trainers fill it).
+LENGTHS_BY_STEP = ((6,), (6, 4, 5), (4, 6), (5,), (6, 4, 5), (4, 6))
+UNFREEZE_AT = 3  # ``unfreeze``: the routers trained from this step on (progressive unfreezing)
 
 
 class Experts(nn.Module):
@@ -174,6 +181,9 @@ def _build(on: bool, variant: str, mesh: Any, seen: list[float] | None = None) -
         if variant == "frozen":  # an adapter-style run: the embedding and the routers frozen
             for param in (*model.embed.parameters(), *(b.router.weight for b in model.layers)):
                 param.requires_grad_(False)
+        if variant == "unfreeze":  # frozen at first, in the optimizer all along
+            for block in model.layers:
+                block.router.requires_grad_(False)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         shard: dict[str, Any] = {"mesh": mesh, **({"mp_policy": mp} if variant.startswith("bf16") else {})}
         if variant == "no-reshard":  # torchtitan's reshard_after_forward_policy="never"
@@ -192,8 +202,9 @@ def _build(on: bool, variant: str, mesh: Any, seen: list[float] | None = None) -
     return model
 
 
-def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+def _optimizer(model: nn.Module, variant: str = "") -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad or variant == "unfreeze"]
+    return torch.optim.AdamW(params, lr=1e-2)
 
 
 def _resumed(on: bool, model: nn.Module, opt: torch.optim.Optimizer, mesh: Any) -> tuple[Any, Any]:
@@ -213,24 +224,28 @@ def run(on: bool, variant: str) -> dict[str, Any]:
     seen: list[float] = []  # what the hooks recorded, in order
     model = _build(on, variant, mesh, seen if variant == "hooks" else None)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant.startswith("autocast"))
-    opt = _optimizer(model)
+    opt = _optimizer(model, variant)
     out: dict[str, Any] = {"losses": [], "norms": [], "none": [], "eval": [], "frames": [], "error": None}
     for step in range(STEPS):
         before = counters["frames"]["total"]
         try:
             if variant == "resume" and step == STEPS // 2:
                 model, opt = _resumed(on, model, opt, mesh)
+            if variant == "unfreeze" and step == UNFREEZE_AT:
+                for name, param in model.named_parameters():
+                    param.requires_grad_(param.requires_grad or ".router." in name)
             model.train()
-            for micro, length in enumerate(LENGTHS):
-                model.set_requires_gradient_sync(micro == len(LENGTHS) - 1)
+            lengths = LENGTHS_BY_STEP[step] if variant == "accum" else LENGTHS
+            for micro, length in enumerate(lengths):
+                model.set_requires_gradient_sync(micro == len(lengths) - 1)
                 x = _batch(step, micro, rank, length)
                 with autocast:
                     if variant == "rl":  # the same model's output under no_grad first, as RL's old policy
                         with torch.no_grad():
                             old = model(x)
-                        loss = (model(x) - 0.5 * old).float().square().mean() / len(LENGTHS)
+                        loss = (model(x) - 0.5 * old).float().square().mean() / len(lengths)
                     else:
-                        loss = model(x).float().square().mean() / len(LENGTHS)
+                        loss = model(x).float().square().mean() / len(lengths)
                 loss.backward()
                 total = loss.detach().clone()
                 dist.all_reduce(total)
