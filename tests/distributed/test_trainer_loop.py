@@ -6,9 +6,8 @@ or autocast, hooks that log activation and gradient norms, FSDP2 units kept unsh
 forward or prefetching the next ones explicitly, dropout (the same masks drawn again in
 recompute), gradients zeroed rather than set to None, the same model run under ``no_grad`` before
 each micro-batch (RL's old policy), a varying number of micro-batches a step, parameters unfrozen
-mid-run, the sharded model compiled whole, a resume mid-run into a
-fresh model and optimizer (``get_state_dict``/``set_state_dict``), and the model's state read as
-a checkpoint saves it.
+mid-run, the sharded model compiled whole, a resume mid-run into a fresh model and optimizer
+(``get_state_dict``/``set_state_dict``), and the model's state read as a checkpoint saves it.
 The worker is ``trainer_loop_worker.py``.
 """
 
