@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import unittest.mock
 from typing import Any
 
@@ -194,6 +195,8 @@ def _recompute_in_range() -> Any:
     init = frame.__init__
 
     def marked_init(self: Any, recompute_fn: Any, *args: Any, **kwargs: Any) -> None:
+        # ``wraps``: what reads the recompute's closure (autoweave's kwargs) unwraps to torch's.
+        @functools.wraps(recompute_fn)
         def recompute(*inputs: Any, **named: Any) -> Any:
             with torch.profiler.record_function(RECOMPUTE):
                 return recompute_fn(*inputs, **named)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,15 @@ _EAGER_CHECKPOINT_HOOKS = (
 _SAC_FORWARD_MODE = need("torch.utils.checkpoint._CachingTorchDispatchMode", required=False)
 _SAC_CONTEXT = need("torch.utils.checkpoint.SelectiveCheckpointContext", required=False)
 _SAC_CONTEXTS = need("torch.utils.checkpoint.create_selective_checkpoint_contexts", required=False)
+# Reading beneath the innermost saved-tensor hooks (``_hooks_beneath_innermost``).
+_HOOKS_STACK = tuple(
+    need(f"torch._C._autograd.{name}", required=False)
+    for name in (
+        "_saved_tensors_hooks_is_enabled",
+        "_pop_saved_tensors_default_hooks",
+        "_push_saved_tensors_default_hooks",
+    )
+)
 _DISPATCH_MODE = need("torch.utils._python_dispatch.TorchDispatchMode", required=False)
 _FAKE_TENSOR_MODE = need("torch._subclasses.fake_tensor.FakeTensorMode", required=False)
 _IS_FAKE = need("torch._subclasses.fake_tensor.is_fake", required=False)
@@ -148,30 +158,108 @@ def _unviewed() -> Any:
 def as_recompute_sees(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args`` and ``kwargs`` with every view among their tensors as its recompute will see it: not a view.
+    """``args`` and ``kwargs`` with every view among their tensors as its recompute will see it.
 
-    An eager checkpoint saves its inputs for the recompute; under saved-tensor
-    hooks (a user's ``saved_tensors_hooks``, ``save_on_cpu``) autograd hands
-    each back as a tensor of its own, never a view (saved_variable.cpp), and
-    dynamo guards a view's base (``x._base.stride()``): a compiled call inside
+    dynamo guards a view input's base (``x._base.stride()``), so a view in the
+    forward and a non-view in the recompute meet other guards: a compiled call
     would run one graph in forward and look up another in the recompute (or,
     past the recompile limit, run eager), whose ops and saves differ from the
-    forward's. Given as a non-view in both, it meets the same guards. No copy:
-    the same storage, sizes and strides.
+    forward's. A recompute meets a non-view where its forward met a view when
+    the view was made by code the recompute skips (FSDP2's pre-forward hook,
+    whose ``RegisterPostBackwardFunction`` outputs are views, does not run in a
+    recompute) or saved under saved-tensor hooks (a user's, ``save_on_cpu``, an
+    outer checkpoint's: autograd unpacks a hooked tensor as one of its own,
+    saved_variable.cpp). Such views are given as non-views in both, with no
+    copy (the same storage, sizes and strides). The checkpoint's own inputs
+    come back as the very tensors (its args where saved without hooks, its
+    kwargs always): they pass as they are, with no ``detach`` in either.
     """
     import torch
 
     if not in_eager_checkpoint():
         return args, kwargs  # nothing saves them for a recompute
+    if not any(type(v) is torch.Tensor and v._is_view() for v in (*args, *kwargs.values())):
+        return args, kwargs
+    kept = _views_handed_back()
 
     def plain(value: Any) -> Any:
-        if type(value) is torch.Tensor and value._is_view():
+        if type(value) is torch.Tensor and value._is_view() and id(value) not in kept:
             return _unviewed()(value) if value.requires_grad else value.detach()
         return value
 
-    if not any(type(v) is torch.Tensor and v._is_view() for v in (*args, *kwargs.values())):
-        return args, kwargs
     return tuple(map(plain, args)), {k: plain(v) for k, v in kwargs.items()}
+
+
+# Per eager checkpoint (its ``_CheckpointFrame``, which its forward and recompute share): the ids
+# of its inputs that its recompute gets back as the very tensors. Found in the forward, where no
+# hooks lie beneath the checkpoint's own; its recompute (under other hooks) takes that answer.
+_HANDED_BACK: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def _views_handed_back() -> frozenset[int]:
+    """The ids of the innermost eager checkpoint's view inputs that its recompute gets back as they are.
+
+    The checkpoint saves its args before it installs its own hooks: with none
+    beneath, each is saved as the tensor itself and unpacking it hands it back,
+    with no hook to run. Empty where it cannot tell.
+    """
+    found = eager_checkpoint_frame()
+    if found is None:
+        return frozenset()
+    frame, recompute = found
+    try:
+        known = _HANDED_BACK.get(frame)
+        if known is None:
+            known = frozenset() if recompute else _saved_views(frame)
+            _HANDED_BACK[frame] = known
+    except TypeError:  # a frame that takes no weak reference
+        return frozenset()
+    return known
+
+
+def _saved_views(frame: Any) -> frozenset[int]:
+    import torch
+
+    try:
+        inputs = _handed_back(frame, unpack=not _hooks_beneath_innermost())
+    except RuntimeError:  # an input changed in place since: the checkpoint's own error, at its recompute
+        return frozenset()
+    except (AttributeError, TypeError, ValueError):  # the names moved: cannot tell
+        return frozenset()
+    return frozenset(id(t) for t in inputs if type(t) is torch.Tensor and t._is_view())
+
+
+def _handed_back(frame: Any, unpack: bool) -> list[Any]:
+    """The checkpoint's inputs its recompute gets back as they are: its kwargs, and unless hooked its args.
+
+    Its kwargs are held by the recompute's closure (2.13+) or beside the saved
+    tensors (``_NoopSaveInputs``, 2.11-2.12, kwargs first), never saved; its
+    args are unpacked. Hooked (``unpack`` False), unpacking would run the hooks.
+    """
+    if (get_inputs := getattr(frame, "get_inputs", None)) is not None:
+        fn = inspect.unwrap(frame.recompute_fn)  # torch's, under any ``functools.wraps`` wrapper
+        cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
+        kwargs = cells["kwargs"].cell_contents if "kwargs" in cells else {}
+        return [*(get_inputs() if unpack else ()), *kwargs.values()]
+    node = getattr(getattr(frame, "input_saver", None), "grad_fn", None)
+    if node is None or not unpack:
+        return []
+    kwargs, *args = node.get_args(node.saved_tensors)
+    return [*args, *kwargs.values()]
+
+
+def _hooks_beneath_innermost() -> bool:
+    # The stack of saved-tensor hooks has no reader below its top: lift the top off, read, put it
+    # back (the same objects; thread-local). Where hooks are disabled nothing may be pushed.
+    enabled, pop, push = map(find_optional, _HOOKS_STACK)
+    top = _top_saved_tensors_hooks()
+    if None in (enabled, pop, push, top) or not enabled():
+        return True
+    pop()
+    try:
+        return _top_saved_tensors_hooks(unknown=True) is not None
+    finally:
+        push(*top)
 
 
 @functools.cache

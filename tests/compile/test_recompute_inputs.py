@@ -98,3 +98,43 @@ def test_a_forward_under_saved_tensors_hooks_trains_as_plain_torch(strategy: str
         want = _train(plain, hooks)
         got = _train(model, hooks)
     assert got == pytest.approx(want, rel=1e-6), (got, want)
+
+
+@pytest.mark.parametrize("hooks", [None, "identity"])
+def test_the_checkpoints_own_view_inputs_pass_as_they_are_where_no_hooks_saved_them(
+    hooks: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without saved-tensor hooks the checkpoint hands its view inputs back as the very tensors.
+
+    Before, every view a woven call met under an eager checkpoint was given as a non-view, in
+    forward and recompute: the block's own input too (2 ``detach``es a step on the example MoE,
+    ops the bound does not run). Views made inside the checkpoint (the experts' flat input here;
+    FSDP2's hook outputs) still are: their recompute may meet a tensor of its own. Under hooks,
+    the block's input is given as a non-view too, and trains as plain torch (above).
+    """
+    from autoweave._compat import checkpoints
+
+    given: list[int] = []
+    unviewed = checkpoints._unviewed()
+    monkeypatch.setattr(checkpoints, "_unviewed", lambda: lambda t: given.append(t.dim()) or unviewed(t))
+    torch.manual_seed(0)
+    model = Model()
+    plain = copy.deepcopy(model)
+    with autoweave.disabled():
+        plain.block = torch.compile(plain.block, backend="aot_eager")
+    model.block = torch.compile(autoweave.set_mode(model.block, strategy="hoist"), backend="aot_eager")
+    for net in (plain, model):
+        for step in range(3):
+            x = torch.randn(2, 8, DIM, generator=torch.Generator().manual_seed(step))
+            with HOOKS[hooks]() if hooks else contextlib.nullcontext():
+                loss = net(x).square().mean()
+            # The recompute takes its forward's answer, whatever hooks the backward runs under.
+            with HOOKS["identity"]() if not hooks else contextlib.nullcontext():
+                loss.backward()
+    for got, want in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad)
+    # The experts' input (2-D, made inside) in forward and recompute at every step; the block's
+    # input (3-D, the checkpoint's own) only under hooks, in the forward (its recompute gets a
+    # tensor of its own).
+    assert given.count(2) == 6, given
+    assert given.count(3) == (3 if hooks else 0), given
