@@ -165,11 +165,11 @@ def as_recompute_sees(
     would run one graph in forward and look up another in the recompute (or,
     past the recompile limit, run eager), whose ops and saves differ from the
     forward's. A recompute meets a non-view where its forward met a view when
-    the view was made by code the recompute skips (FSDP2's pre-forward hook,
-    whose ``RegisterPostBackwardFunction`` outputs are views, does not run in a
-    recompute) or saved under saved-tensor hooks (a user's, ``save_on_cpu``, an
-    outer checkpoint's: autograd unpacks a hooked tensor as one of its own,
-    saved_variable.cpp). Such views are given as non-views in both, with no
+    the view was made by code the recompute may skip (FSDP2's pre-forward hook,
+    whose ``RegisterPostBackwardFunction`` outputs are views, returns early in
+    a recompute after the unit's pre-backward) or saved under saved-tensor
+    hooks (a user's, ``save_on_cpu``, an outer checkpoint's: autograd unpacks a
+    hooked tensor as one of its own, saved_variable.cpp). Such views are given as non-views in both, with no
     copy (the same storage, sizes and strides). The checkpoint's own inputs
     come back as the very tensors (its args where saved without hooks, its
     kwargs always): they pass as they are, with no ``detach`` in either.
