@@ -233,7 +233,7 @@ def _handed_back(frame: Any, unpack: bool) -> list[Any]:
     """The checkpoint's inputs its recompute gets back as they are: its kwargs, and unless hooked its args.
 
     Its kwargs are held by the recompute's closure (2.13+) or beside the saved
-    tensors (``_NoopSaveInputs``, 2.11-2.12, kwargs first), never saved; its
+    tensors (``_NoopSaveInputs``, read on 2.11, kwargs first), never saved; its
     args are unpacked. Hooked (``unpack`` False), unpacking would run the hooks.
     """
     if (get_inputs := getattr(frame, "get_inputs", None)) is not None:
