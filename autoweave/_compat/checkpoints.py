@@ -169,8 +169,9 @@ def as_recompute_sees(
     whose ``RegisterPostBackwardFunction`` outputs are views, returns early in
     a recompute after the unit's pre-backward) or saved under saved-tensor
     hooks (a user's, ``save_on_cpu``, an outer checkpoint's: autograd unpacks a
-    hooked tensor as one of its own, saved_variable.cpp). Such views are given as non-views in both, with no
-    copy (the same storage, sizes and strides). The checkpoint's own inputs
+    hooked tensor as one of its own, saved_variable.cpp). Such views are given
+    as non-views in both, with no copy (the same storage, sizes and strides).
+    The checkpoint's own inputs
     come back as the very tensors (its args where saved without hooks, its
     kwargs always): they pass as they are, with no ``detach`` in either.
     """
@@ -222,9 +223,9 @@ def _saved_views(frame: Any) -> frozenset[int]:
 
     try:
         inputs = _handed_back(frame, unpack=not _hooks_beneath_innermost())
-    except RuntimeError:  # an input changed in place since: the checkpoint's own error, at its recompute
-        return frozenset()
-    except (AttributeError, TypeError, ValueError):  # the names moved: cannot tell
+    # RuntimeError: an input changed in place since (the checkpoint's own error, at its recompute);
+    # the others: the names moved. Either way it cannot tell.
+    except (RuntimeError, AttributeError, TypeError, ValueError):
         return frozenset()
     return frozenset(id(t) for t in inputs if type(t) is torch.Tensor and t._is_view())
 
