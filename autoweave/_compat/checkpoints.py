@@ -171,9 +171,9 @@ def as_recompute_sees(
     hooks (a user's, ``save_on_cpu``, an outer checkpoint's: autograd unpacks a
     hooked tensor as one of its own, saved_variable.cpp). Such views are given
     as non-views in both, with no copy (the same storage, sizes and strides).
-    The checkpoint's own inputs
-    come back as the very tensors (its args where saved without hooks, its
-    kwargs always): they pass as they are, with no ``detach`` in either.
+    The checkpoint's own inputs come back as the very tensors (its args where
+    saved without hooks, its kwargs always): they pass as they are, with no
+    ``detach`` in either.
     """
     import torch
 
