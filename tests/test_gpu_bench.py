@@ -209,6 +209,12 @@ def check_grouped_layout() -> None:
     print("layout ok")
 
 
+def _compat_nested_breaks() -> bool:
+    from autoweave._compat import dynamo
+
+    return dynamo.nested_breaks_supported()
+
+
 @pytest.mark.slow
 def test_the_census_counts_what_runs_outside_graphs(tmp_path: Path) -> None:
     # Issue 42's CPU proxy: the bound and autoweave's strategies, one profiled step each.
@@ -233,25 +239,25 @@ def test_the_census_counts_what_runs_outside_graphs(tmp_path: Path) -> None:
         assert census["forward"]["forward_graphs"] > bound["forward"]["forward_graphs"], name
         assert census["forward"]["fsdp_ops"] > bound["forward"]["fsdp_ops"], name
         assert sum(census["forward"]["eager_by_op"].values()) == census["forward"]["eager_ops"], name
-    # With nested graph breaks the MoE block is 3 graphs, not 5, and outside them autoweave runs no op
-    # the bound does not but its own detaches (an eager checkpoint's view inputs as non-views).
+    # Issue 42's CPU proxy target: outside the graphs autoweave runs no op the bound does not, under
+    # every strategy (the unit's own hooks run inside FSDP's ranges, counted apart). The block's only
+    # breaks are the experts' unit's hooks: dynamo resumes them inside the unit's call (nested graph
+    # breaks, torch 2.13+), so the glue around the unit stays in the block's graphs (3 forward
+    # graphs for the MoE block, not 5) and the unit's hook views never enter a region of their own
+    # (no ``detach``). `autoweave+nested` (the switch set for the whole run) is then the default.
     nested, default = rows["autoweave+nested"]["census"], rows["autoweave"]["census"]
-    assert nested["forward"]["forward_graphs"] == default["forward"]["forward_graphs"] - 2, (nested, default)
-    for phase in ("forward", "backward"):
-        beyond = {
-            op for op, n in nested[phase]["eager_by_op"].items() if n > bound[phase]["eager_by_op"].get(op, 0)
-        }
-        assert beyond <= {"aten::detach"}, (phase, beyond)
-    # autoweave's own detaches, one a pass (forward, recompute): the experts' input, a view FSDP2's
-    # pre-forward hook made, which a recompute may meet as a tensor of its own. The block's input,
-    # the checkpoint's own, passes as it is (before: 4 a step).
-    for name in ("autoweave:hoist", "autoweave+nested"):
+    supported = _compat_nested_breaks()
+    assert nested["forward"]["forward_graphs"] == default["forward"]["forward_graphs"] - (
+        0 if supported else 2
+    )
+    for name in ("autoweave", "autoweave:hoist", "autoweave:pieces", "autoweave+nested"):
+        if not supported and name != "autoweave+nested":
+            continue
         census = rows[name]["census"]
-        detaches = [
-            census[p]["eager_by_op"].get("aten::detach", 0) - bound[p]["eager_by_op"].get("aten::detach", 0)
-            for p in ("forward", "backward")
-        ]
-        assert detaches == [1, 1], (name, detaches)
+        for phase in ("forward", "backward"):
+            mine, bounds = census[phase]["eager_by_op"], bound[phase]["eager_by_op"]
+            beyond = {op: n - bounds.get(op, 0) for op, n in mine.items() if n > bounds.get(op, 0)}
+            assert not beyond or (not supported and set(beyond) <= {"aten::detach"}), (name, phase, beyond)
     # An eager checkpoint recomputes the hoisted region's graphs; pieces recompute inside theirs.
     assert rows["autoweave:hoist"]["census"]["backward"]["forward_graphs"] > 0
     assert rows["autoweave:pieces"]["census"]["backward"]["forward_graphs"] == 0

@@ -217,6 +217,34 @@ def fullgraph_break(message: str) -> BaseException:
 
 # The stances of ``torch.compiler.set_stance`` under which a compiled function runs eager: every
 # call (``force_eager``), or wherever its cached graphs do not fit (``eager_on_recompile``).
+# Nested graph breaks: a break inside a call dynamo traced into resumes there, in the callee,
+# instead of breaking the caller at the call. dynamo's own test case turns them on for every
+# test from 2.13 (its default stays off); 2.11-2.12 opt in per test class only.
+_CONFIG = need("torch._dynamo.config", required=False)
+_NESTED_BREAKS_FROM = (2, 13)
+
+
+@functools.cache
+def nested_breaks_supported() -> bool:
+    """Does this torch resume a break inside the call it is in (``nested_graph_breaks``), as tested?"""
+    import torch
+
+    config = find_optional(_CONFIG)
+    version = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
+    return config is not None and hasattr(config, "nested_graph_breaks") and version >= _NESTED_BREAKS_FROM
+
+
+@contextmanager
+def nested_breaks() -> Iterator[None]:
+    """Nested graph breaks on while inside (process-wide, as dynamo's config is)."""
+    config = find_optional(_CONFIG)
+    if config is None or config.nested_graph_breaks:
+        yield
+        return
+    with config.patch(nested_graph_breaks=True):
+        yield
+
+
 EAGER_STANCES = frozenset({"force_eager", "eager_on_recompile"})
 
 

@@ -30,6 +30,7 @@ from autoweave._compat.dynamo import (
     entries_made,
     fails_on_recompile,
     misses_decided,
+    nested_breaks,
     outside_dynamo,
     recompiles_run_eager,
     skip_own_frame,
@@ -285,6 +286,7 @@ def lookups_in_order(
     on_refused: Callable[[], None] | None = None,
     on_failure: Callable[[BaseException], None] | None = None,
     state: Any = None,
+    nested: bool = False,
 ) -> Callable[..., Any]:
     """``compiled`` with dynamo's cache entries looked up in the order they were made.
 
@@ -541,6 +543,8 @@ def lookups_in_order(
         forward_in_order = outside_dynamo(forward, traced_as=forward)
         alone_in_order = outside_dynamo(alone, traced_as=alone)
 
+    breaks = nested_breaks if nested else nullcontext  # ``nested``: a unit's hooks resume inside its call
+
     def in_order(*args: Any, **kwargs: Any) -> Any:
         if inputs is not None:
             args, kwargs = inputs(args, kwargs)
@@ -563,13 +567,13 @@ def lookups_in_order(
             # with no recompute of its own (pieces): a helper frame it shares with a region
             # under an eager checkpoint would run eager, or another backend's graph, in that
             # region's recompute after its forward ran the graph (fuzzer seed 32442).
-            with order or nullcontext(), _limit_raised(), stance, _noting(converted_here):
+            with order or nullcontext(), _limit_raised(), stance, _noting(converted_here), breaks():
                 if again:
                     return recompute_in_order(frame, args, kwargs)
                 if frame is None:  # not under an eager checkpoint: no recompute, no cycles
                     return alone_in_order(args, kwargs)
                 return forward_in_order(args, kwargs)
-        with order or nullcontext(), stance:
+        with order or nullcontext(), stance, breaks():
             return compiled(*args, **kwargs)
 
     functools.update_wrapper(in_order, compiled)

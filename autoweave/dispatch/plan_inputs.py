@@ -138,6 +138,7 @@ def plan(request: Request, *, mode: str | None = None, strategy: str | None = No
         call_traced=request.call_traced,
         learned=learned,
         children_one_by_one=bool(taught.get("children_one_by_one")),
+        nested_breaks=_compat.dynamo.nested_breaks_supported(),
     )
 
 

@@ -85,6 +85,14 @@ def forward_disabled(module: nn.Module) -> bool:
     return _compat.dynamo.dynamo_disabled(user_forward(module))
 
 
+def breaks_in_hooks(module: nn.Module) -> bool:
+    """Is ``module`` a boundary only for its hooks (an FSDP2 unit, a ``disable``d hook), its forward traceable?"""
+    if getattr(module, MARK, None) or own_forward(module) is not None or forward_disabled(module):
+        return False
+    fsdp2 = _compat.modules.fsdp2_module()
+    return (fsdp2 is not None and isinstance(module, fsdp2)) or _hooks_disabled(module)
+
+
 def classify(module: nn.Module) -> str | None:
     """Why ``module`` is a boundary, or ``None`` when it is traceable."""
     mark = getattr(module, MARK, None)

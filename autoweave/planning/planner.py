@@ -38,8 +38,17 @@ Moved = CheckpointSpec | None  # the AC moved into the pieces of every region be
 class _Planner:
     """One walk over the tree; ``moved`` is the AC moved into the pieces of every region below (or None)."""
 
-    def __init__(self, tree: Tree, asked: str, fullgraph: bool, *, children_one_by_one: bool = False) -> None:
+    def __init__(
+        self,
+        tree: Tree,
+        asked: str,
+        fullgraph: bool,
+        *,
+        children_one_by_one: bool = False,
+        nested_breaks: bool = False,
+    ) -> None:
         self.tree = tree
+        self.nested_breaks = nested_breaks
         self.asked = asked
         self.fullgraph = fullgraph
         # The dispatcher's last resort: nothing splits, every AC stays eager around its children.
@@ -99,7 +108,15 @@ class _Planner:
             self.node(child_path, child, moved)
 
     def region(
-        self, path: str, module: nn.Module, moved: Moved, action: Action, reason: str, *, splits: bool = False
+        self,
+        path: str,
+        module: nn.Module,
+        moved: Moved,
+        action: Action,
+        reason: str,
+        *,
+        splits: bool = False,
+        nested: bool = False,
     ) -> None:
         if moved is not None:
             reason += f", each piece under {moved.describe()}"
@@ -112,6 +129,7 @@ class _Planner:
             checkpoint=moved,
             pieces=moved is not None,
             splits=splits,
+            nested=nested,
         )
 
     def boundary(
@@ -191,16 +209,42 @@ class _Planner:
     def split(
         self, path: str, module: nn.Module, moved: Moved, reason: str, action: Action = Action.SPLIT
     ) -> None:
-        self.region(path, module, moved, action, reason, splits=True)
-        self.inside_split(path, module, moved)
+        nested = self.nested_breaks and self.breaks_only_in_hooks(module)
+        if nested:
+            reason += "; each unit's hooks break inside its call, where dynamo resumes (nested graph breaks)"
+        self.region(path, module, moved, action, reason, splits=True, nested=nested)
+        self.inside_split(path, module, moved, nested=nested)
 
-    def inside_split(self, path: str, module: nn.Module, moved: Moved) -> None:
+    def breaks_only_in_hooks(self, module: nn.Module) -> bool:
+        """Are the only breaks in ``module``'s call its units' hooks, each unit's forward traceable?
+
+        Then dynamo can resume each break inside the unit's call (nested graph breaks) and
+        trace the unit's forward with the block's code: the glue around the unit stays in
+        the block's graphs. A break of any other kind keeps them off: dynamo guards a
+        resumed nested frame's values as constants (a float from ``.item()``: a recompile
+        per value), and a forward of the instance's own is a frame of its own per block.
+        """
+        if boundaries.own_forward(module) is not None:
+            return False
+        for inner in module.modules():
+            inner = unwrap(inner)
+            if id(inner) in self.tree.breaking or checkpoint_spec(inner) is not None:
+                return False
+            if inner is not module and self.tree.kind(inner) is not None:
+                if not boundaries.breaks_in_hooks(inner) or self.tree.has_boundary_below(inner):
+                    return False
+        return True
+
+    def inside_split(self, path: str, module: nn.Module, moved: Moved, *, nested: bool = False) -> None:
         # Descendants traced by a split region: boundaries break the graph by
         # themselves; checkpoints over a boundary must be kept out of the trace.
         for child_path, child in walk(module, path):
             child = unwrap(child)
             kind = self.tree.kind(child)
-            if id(child) in self.tree.breaking and checkpoint_spec(child) is None:
+            if nested and kind is not None:
+                reason = f"{kind} → hooks stay eager, forward traced in the enclosing region"
+                self.add(child_path, child, Action.BOUNDARY, reason)
+            elif id(child) in self.tree.breaking and checkpoint_spec(child) is None:
                 # A break dynamo met in its own forward: the enclosing region splits
                 # there by itself (as with AC outside the compile); no region of its own.
                 self.add(child_path, child, Action.BOUNDARY, f"{kind} → the enclosing region splits there")
@@ -214,7 +258,7 @@ class _Planner:
                 reason = f"kept out of the enclosing region; its forward calls checkpoint: {_ONE_BY_ONE}"
                 self.weave_children(child_path, child, moved, reason, opaque=True)
             elif self.tree.has_boundary_below(child):
-                self.inside_split(child_path, child, moved)
+                self.inside_split(child_path, child, moved, nested=nested)
 
 
 def _checkpoints_itself(module: nn.Module) -> bool:
@@ -233,6 +277,7 @@ def plan(
     call_traced: bool = True,
     learned: Learned | None = None,
     children_one_by_one: bool = False,
+    nested_breaks: bool = False,
 ) -> Plan:
     """Decide how to compile ``module`` (the object handed to ``torch.compile``).
 
@@ -256,6 +301,9 @@ def plan(
     weighs.
     ``children_one_by_one`` is the dispatcher's last resort after a fallback it
     could not locate: nothing splits, every AC stays eager around its children.
+    ``nested_breaks``: this torch resumes a break inside the call it is in
+    (``_compat.dynamo.nested_breaks_supported``); a region whose only breaks are
+    its units' hooks then traces the units' forwards (``Decision.nested``).
     """
     check_choice("mode", mode, MODES)
     check_choice("strategy", strategy, STRATEGIES)
@@ -276,7 +324,9 @@ def plan(
         return plain("no boundary inside: compiled as plain torch.compile would")
     if mode == "off":
         return plain("weaving is off (mode=off): compiled as plain torch.compile would")
-    planner = _Planner(tree, strategy, fullgraph, children_one_by_one=children_one_by_one)
+    planner = _Planner(
+        tree, strategy, fullgraph, children_one_by_one=children_one_by_one, nested_breaks=nested_breaks
+    )
     outer = None
     if outer_ac is not None:
         outer = plans.resolve_outer(

@@ -77,6 +77,9 @@ class Decision:
     # into (between breaks) is checkpointed on its own (``pieces``), glue included.
     pieces: bool = False
     splits: bool = False  # dynamo may cut this region at the boundaries (or breaks) inside
+    # Its only breaks are its units' hooks, and dynamo resumes each inside the unit's call (nested
+    # graph breaks): the units' forwards are traced in this region, no region of their own.
+    nested: bool = False
     ac: CheckpointSpec | None = None  # the AC this wrapper had (HOIST / PIECES / CHILDREN_ONE_BY_ONE)
     # ``auto`` chose pieces for this AC wrapper's kind before any block of it was measured: its
     # first call with grad measures what the pieces hold against eager selective AC.

@@ -121,7 +121,7 @@ def _region_key(module: nn.Module, decision: Any, compile_kwargs: dict[str, Any]
     when dynamo guards on it (``shared_kinds``).
     """
     kind = kinds.block_kind(module, getattr(decision.checkpoint, "checkpoint_fn", None))
-    return (kind, decision.action, decision.pieces, kinds.identity(compile_kwargs))
+    return (kind, decision.action, decision.pieces, decision.nested, kinds.identity(compile_kwargs))
 
 
 def _label(path: str, cls: type[nn.Module]) -> str:
@@ -239,6 +239,7 @@ def _region_forward(
             compile_fn(region, **_compat.regions.with_headroom(region_kw)),
             _compat.checkpoints.as_recompute_sees,
             **_at_limit(region, label, region_kw, pieces_fn),
+            nested=decision.nested,
         )
     else:
         # One compiled region, and one backend, per kind: identical blocks share both,
@@ -294,6 +295,7 @@ def _build_kind_region(
         compile_fn(region, **_compat.regions.with_headroom(region_kw)),
         _compat.checkpoints.as_recompute_sees,
         **_at_limit(region, label, region_kw, pieces_fn),
+        nested=decision.nested,
         converted=converted,
     )
     return compiled, region, backend, label

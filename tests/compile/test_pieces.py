@@ -334,6 +334,10 @@ class _ChangesExpertsOutput(nn.Module):
 def test_pieces_train_through_an_in_place_change_after_a_boundary(how):
     torch.manual_seed(0)
     block, x = _ChangesExpertsOutput(DIM, how), torch.randn(TOKENS, DIM)
+    # Marked, the experts stay a region of their own and the change lands on a piece's input. (A unit
+    # breaking only in its hooks is traced with the block, nested graph breaks: the change then sits
+    # inside the piece that made the output, and every piece keeps its checkpoint.)
+    autoweave.boundary(block.experts)
     ref = _train(bm.with_ac(copy.deepcopy(block), "selective"), x)
     model = _compiled(block, "selective", "pieces")
     got = _train(model, x)

@@ -498,3 +498,42 @@ def test_the_resolver_asks_about_the_context_fn_only_where_it_matters():
 )
 def test_an_ac_outside_the_compile_moves_in_or_stays_outside(spec, asked, expected):
     assert plans.resolve_outer(spec, asked=asked).strategy.name == expected
+
+
+def _hook_unit_block(ac: str, *, own_break: bool = False, instance_forward: bool = False) -> nn.Module:
+    """``_moe_block`` with experts that break only in a ``disable``d hook, as ``fully_shard``'s do."""
+    import torch
+
+    wrapper = _moe_block(ac)
+    block = wrapper._checkpoint_wrapped_module
+    experts = nn.Linear(2, 2)
+    experts.register_forward_pre_hook(torch.compiler.disable(lambda module, args: None))
+    block.moe.experts = experts
+    if instance_forward:
+        block.forward = functools.partial(Node.forward, block)
+    return wrapper, (Learned(breaks={id(block.moe): "a .item() call"}) if own_break else None)
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_a_region_whose_only_breaks_are_unit_hooks_resumes_inside_the_units(ac):
+    # Dynamo resumes each break inside the unit's call (nested graph breaks): the unit's forward is
+    # traced in the block's region, which keeps the glue around it in its graphs (issue 42).
+    model, learned = _hook_unit_block(ac)
+    plan = planner.plan(model, nested_breaks=True, learned=learned)
+    block, experts = (
+        plan.decision("_checkpoint_wrapped_module"),
+        plan.decision("_checkpoint_wrapped_module.moe.experts"),
+    )
+    assert block.region and block.splits and block.nested, block
+    assert experts.action is Action.BOUNDARY and not experts.region, experts
+    assert "nested graph breaks" in block.reason and "traced in the enclosing region" in experts.reason
+    # Not where this torch cannot (nested_breaks off), nor past a break of another kind (its values
+    # would be guarded as constants), nor in a block whose forward is the instance's own.
+    for model, learned, nested_breaks in (
+        (_hook_unit_block(ac)[0], None, False),
+        (*_hook_unit_block(ac, own_break=True), True),
+        (_hook_unit_block(ac, instance_forward=True)[0], None, True),
+    ):
+        plan = planner.plan(model, nested_breaks=nested_breaks, learned=learned)
+        assert not any(d.nested for d in plan.decisions), plan.decisions
+        assert plan.decision("_checkpoint_wrapped_module.moe.experts").region
