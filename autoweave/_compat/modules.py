@@ -152,6 +152,17 @@ def hooks_of(module: Any) -> list[tuple[str, tuple[Any, ...]]]:
     return found
 
 
+def backward_hooked(module: Any) -> bool:
+    """Does a call of ``module`` set up full backward hooks (its own, or every module's, global)?"""
+    import torch.nn.modules.module as module_py
+
+    stores = vars(module)
+    globals_ = (
+        getattr(module_py, name, None) for name in ("_global_backward_hooks", "_global_backward_pre_hooks")
+    )
+    return bool(stores.get("_backward_hooks") or stores.get("_backward_pre_hooks") or any(globals_))
+
+
 def call_impl(module: Any) -> Any:
     """``module._call_impl``, what ``nn.Module.compile`` compiles (torch 2.2+)."""
     return module._call_impl

@@ -230,6 +230,11 @@ class _Planner:
             inner = unwrap(inner)
             if id(inner) in self.tree.breaking or checkpoint_spec(inner) is not None:
                 return False
+            # A full backward hook's setup breaks inside torch/utils/hooks.py, and the frame dynamo
+            # resumes there fails in its list comprehension (``UnboundLocalError: '.0'``, Python
+            # 3.11, torch 2.13): plain torch never raises it. A hook's registration re-plans.
+            if _compat.modules.backward_hooked(inner):
+                return False
             if inner is not module and self.tree.kind(inner) is not None:
                 if not boundaries.breaks_in_hooks(inner) or self.tree.has_boundary_below(inner):
                     return False

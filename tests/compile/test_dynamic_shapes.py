@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
 import autoweave
+from autoweave import _compat
 from autoweave.dispatch import dispatchers
 from autoweave.planning.plans import Action
 from tests import break_models as bm
@@ -147,7 +148,12 @@ def test_dynamic_true_compiles_nothing_after_step_1(strategy):
     run = _train(strategy, dynamic=True)
     _once_per_frame(run)
     first_woven = 1 if strategy == "auto" else 0  # auto's hoist frames are compiled at step 2
-    assert sum(run["steps"]) == 0 and sum(run["graphs"][first_woven + 1 :]) == 0, run
+    # At auto's switch the experts' forward (the class's code, traced with the block under nested
+    # graph breaks) compiles once under the hoisted region's backend (BACKEND_MATCH), as a new frame.
+    assert sum(run["steps"][first_woven + 1 :]) == 0 and sum(run["graphs"][first_woven + 1 :]) == 0, run
+    assert sum(run["steps"]) <= (
+        1 if strategy == "auto" and _compat.dynamo.nested_breaks_supported() else 0
+    ), run
 
 
 def test_mark_dynamic_is_honoured_as_by_plain_dynamo():

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
 
+from autoweave import _compat
 from autoweave.observe import summary
 from autoweave.planning import planner
 from tests.models import Block
@@ -201,7 +202,10 @@ def test_a_region_whose_module_has_not_run_its_plan_says_not_run_yet(
         model(torch.randn(4, 8)).sum().backward()
         summary.flush()
     first, *rest = _summaries(caplog)
-    assert first.splitlines()[1].endswith("; 2 of them not run yet"), first
-    region_lines = [line for line in first.splitlines()[2:] if "[Block]" in line or "[Experts]" in line]
+    # The block's region, and the experts' unless their forward is traced with it (nested breaks).
+    regions = 1 if _compat.dynamo.nested_breaks_supported() else 2
+    assert first.splitlines()[1].endswith(f"; {regions} of them not run yet"), first
+    names = ("[Block]", "[Experts]")[:regions]
+    region_lines = [line for line in first.splitlines()[2:] if any(name in line for name in names)]
     assert region_lines and all("not run yet; planned " in line for line in region_lines), first
     assert not rest  # ran since: the same plan, nothing to say again
