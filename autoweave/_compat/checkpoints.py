@@ -10,6 +10,7 @@ docs/upstream.md U6); no public API lists a SAC policy's context or autograd's n
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import weakref
@@ -169,84 +170,132 @@ def as_recompute_sees(
     whose ``RegisterPostBackwardFunction`` outputs are views, returns early in
     a recompute after the unit's pre-backward) or saved under saved-tensor
     hooks (a user's, ``save_on_cpu``, an outer checkpoint's: autograd unpacks a
-    hooked tensor as one of its own, saved_variable.cpp). Such views are given
-    as non-views in both, with no copy (the same storage, sizes and strides).
-    The checkpoint's own inputs come back as the very tensors (its args where
-    saved without hooks, its kwargs always): they pass as they are, with no
-    ``detach`` in either.
+    hooked tensor as one of its own, saved_variable.cpp). And the same input
+    must meet the same guards step after step, hooks or none (fuzzer seed 60709:
+    a step under saved-tensor hooks compiled every frame once more).
+
+    So each view takes one form in both, every step. A view whose base has its
+    own sizes, strides, offset, dtype and grad (FSDP2's views) passes as it is;
+    where the recompute meets a non-view in its place it gets ``view_as`` of
+    that, whose base is alike (``_ViewsOfFrame``). The checkpoint's kwargs come
+    back as the very tensors: they pass as they are. Any other view is given as
+    a non-view in both, with no copy (the same storage, sizes and strides).
     """
     import torch
 
     if not in_eager_checkpoint():
         return args, kwargs  # nothing saves them for a recompute
-    if not any(type(v) is torch.Tensor and v._is_view() for v in (*args, *kwargs.values())):
-        return args, kwargs
-    kept = _views_handed_back()
-
-    def plain(value: Any) -> Any:
-        if type(value) is torch.Tensor and value._is_view() and id(value) not in kept:
-            return _unviewed()(value) if value.requires_grad else value.detach()
-        return value
-
-    return tuple(map(plain, args)), {k: plain(v) for k, v in kwargs.items()}
-
-
-# Per eager checkpoint (its ``_CheckpointFrame``, which its forward and recompute share): the ids
-# of its inputs that its recompute gets back as the very tensors. Found in the forward, where no
-# hooks lie beneath the checkpoint's own; its recompute (under other hooks) takes that answer.
-_HANDED_BACK: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
-
-
-def _views_handed_back() -> frozenset[int]:
-    """The ids of the innermost eager checkpoint's view inputs that its recompute gets back as they are.
-
-    The checkpoint saves its args before it installs its own hooks: with none
-    beneath, each is saved as the tensor itself and unpacking it hands it back,
-    with no hook to run. Empty where it cannot tell.
-    """
     found = eager_checkpoint_frame()
-    if found is None:
-        return frozenset()
-    frame, recompute = found
-    try:
-        known = _HANDED_BACK.get(frame)
-        if known is None:
-            known = frozenset() if recompute else _saved_views(frame)
-            _HANDED_BACK[frame] = known
-    except TypeError:  # a frame that takes no weak reference
-        return frozenset()
-    return known
+    views = None if found is None else _ViewsOfFrame.of(found[0])
+    if views is None:  # cannot tell what the recompute meets: no view passes
+        if not any(type(v) is torch.Tensor and v._is_view() for v in (*args, *kwargs.values())):
+            return args, kwargs
+        return tuple(map(_unview, args)), {k: _unview(v) for k, v in kwargs.items()}
+    if found[1]:  # the recompute, its calls in its forward's order
+        alike = views.alike.popleft() if views.alike else frozenset()
+
+        def seen(key: Any, value: Any) -> Any:
+            if type(value) is not torch.Tensor:
+                return value
+            if key in alike:
+                return value if _alike_view(value) else _unview(value).view_as(value)
+            return value if not value._is_view() or id(value) in views.kwargs else _unview(value)
+
+    else:
+        passed: set[Any] = set()
+
+        def seen(key: Any, value: Any) -> Any:
+            if type(value) is not torch.Tensor or not value._is_view():
+                return value
+            if _alike_view(value):
+                passed.add(key)
+                return value
+            return value if id(value) in views.kwargs else _unview(value)
+
+    out = tuple(seen(i, v) for i, v in enumerate(args)), {k: seen(k, v) for k, v in kwargs.items()}
+    if not found[1]:
+        views.alike.append(frozenset(passed))
+    return out
 
 
-def _saved_views(frame: Any) -> frozenset[int]:
+def _unview(value: Any) -> Any:
+    """A view as a tensor of its own (same storage, sizes and strides); anything else as it is."""
+    import torch
+
+    if type(value) is not torch.Tensor or not value._is_view():
+        return value
+    return _unviewed()(value) if value.requires_grad else value.detach()
+
+
+def _alike_view(value: Any) -> bool:
+    """Is ``value`` a view whose base has its sizes, strides, offset, dtype and grad (``x.view_as(x)``'s form)?"""
+    base = value._base if value._is_view() else None
+    return base is not None and (
+        base.size() == value.size()
+        and base.stride() == value.stride()
+        and base.storage_offset() == value.storage_offset()
+        and base.dtype == value.dtype
+        and base.requires_grad == value.requires_grad
+    )
+
+
+class _ViewsOfFrame:
+    """What one eager checkpoint's forward passed, found again by its recompute (they share its frame).
+
+    ``kwargs``: the ids of the checkpoint's kwarg views, which its recompute gets
+    back as they are (read where no hooks lie beneath its own). ``alike``: per
+    woven call of its forward, in order, the inputs passed as alike views; the
+    recompute's calls come in the same order (and stop early, never reorder).
+    """
+
+    __slots__ = ("__weakref__", "alike", "kwargs")
+    _of: weakref.WeakKeyDictionary[Any, _ViewsOfFrame] = weakref.WeakKeyDictionary()
+
+    def __init__(self, kwargs: frozenset[int]) -> None:
+        self.kwargs = kwargs
+        self.alike: collections.deque[frozenset[Any]] = collections.deque()
+
+    @classmethod
+    def of(cls, frame: Any) -> _ViewsOfFrame | None:
+        """The frame's record, made at its forward's first woven call; None where it takes no weak reference."""
+        try:
+            views = cls._of.get(frame)
+            if views is None:
+                views = cls._of[frame] = cls(_kwarg_views(frame))
+        except TypeError:
+            return None
+        return views
+
+
+def _kwarg_views(frame: Any) -> frozenset[int]:
+    """The ids of the checkpoint's kwargs that are views; empty where it cannot tell."""
     import torch
 
     try:
-        inputs = _handed_back(frame, unpack=not _hooks_beneath_innermost())
+        kwargs = _kwargs_of(frame)
     # RuntimeError: an input changed in place since (the checkpoint's own error, at its recompute);
     # the others: the names moved. Either way it cannot tell.
     except (RuntimeError, AttributeError, TypeError, ValueError):
         return frozenset()
-    return frozenset(id(t) for t in inputs if type(t) is torch.Tensor and t._is_view())
+    return frozenset(id(t) for t in kwargs.values() if type(t) is torch.Tensor and t._is_view())
 
 
-def _handed_back(frame: Any, unpack: bool) -> list[Any]:
-    """The checkpoint's inputs its recompute gets back as they are: its kwargs, and unless hooked its args.
+def _kwargs_of(frame: Any) -> dict[str, Any]:
+    """The checkpoint's kwargs, never saved: held by the recompute's closure (2.13+) or beside the saved tensors.
 
-    Its kwargs are held by the recompute's closure (2.13+) or beside the saved
-    tensors (``_NoopSaveInputs``, read on 2.11, kwargs first), never saved; its
-    args are unpacked. Hooked (``unpack`` False), unpacking would run the hooks.
+    On 2.11 they lie beside the saved args in ``_NoopSaveInputs`` (kwargs first),
+    read by unpacking them, which runs any hooks beneath the checkpoint's own:
+    not read then.
     """
-    if (get_inputs := getattr(frame, "get_inputs", None)) is not None:
+    if getattr(frame, "get_inputs", None) is not None:
         fn = inspect.unwrap(frame.recompute_fn)  # torch's, under any ``functools.wraps`` wrapper
         cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
-        kwargs = cells["kwargs"].cell_contents if "kwargs" in cells else {}
-        return [*(get_inputs() if unpack else ()), *kwargs.values()]
+        return cells["kwargs"].cell_contents if "kwargs" in cells else {}
     node = getattr(getattr(frame, "input_saver", None), "grad_fn", None)
-    if node is None or not unpack:
-        return []
-    kwargs, *args = node.get_args(node.saved_tensors)
-    return [*args, *kwargs.values()]
+    if node is None or _hooks_beneath_innermost():
+        return {}
+    kwargs, *_ = node.get_args(node.saved_tensors)
+    return kwargs
 
 
 def _hooks_beneath_innermost() -> bool:
