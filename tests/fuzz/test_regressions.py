@@ -892,3 +892,16 @@ def test_a_helper_compiled_once_per_kind_is_not_a_recompile() -> None:
     from tests.fuzz.grammar import draw
 
     assert _differences(draw(50153)) == []
+
+
+# Seed 60709 (stop 58's long run, on stop 57's code): three blocks each compiled, each calling
+# ``checkpoint`` in its forward, lengths varying, a block frozen at step 3. Its input, a linear's
+# 3-D output, is a view of a larger base; stop 57 passed the checkpoint's own views as they are
+# where no saved-tensor hooks lay beneath it, and as non-views where some did: the fuzzer's step
+# under the user's hooks met other guards (``L['x']._base``, a dynamic size), and every frame
+# compiled once more, twice with the frozen block (8 recompiles where the bound allows 6). Such a
+# view now takes one form every step (``checkpoints.as_recompute_sees``).
+def test_a_step_under_saved_tensor_hooks_recompiles_nothing() -> None:
+    from tests.fuzz.grammar import draw
+
+    assert _differences(draw(60709)) == []
