@@ -10,7 +10,6 @@ docs/upstream.md U6); no public API lists a SAC policy's context or autograd's n
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 import weakref
@@ -50,6 +49,8 @@ _HOOKS_STACK = tuple(
     )
 )
 _DISPATCH_MODE = need("torch.utils._python_dispatch.TorchDispatchMode", required=False)
+# A recompute's ``view_as`` of autoweave's own, hidden from eager SAC's mode (``as_recompute_sees``).
+_NO_DISPATCH_MODES = need("torch.utils._python_dispatch._disable_current_modes", required=False)
 _FAKE_TENSOR_MODE = need("torch._subclasses.fake_tensor.FakeTensorMode", required=False)
 _IS_FAKE = need("torch._subclasses.fake_tensor.is_fake", required=False)
 
@@ -191,14 +192,14 @@ def as_recompute_sees(
         if not any(type(v) is torch.Tensor and v._is_view() for v in (*args, *kwargs.values())):
             return args, kwargs
         return tuple(map(_unview, args)), {k: _unview(v) for k, v in kwargs.items()}
-    if found[1]:  # the recompute, its calls in its forward's order
-        alike = views.alike.popleft() if views.alike else frozenset()
+    if found[1]:  # a recompute, its calls in its forward's order
+        alike = views.next_in(_recompute_pass())
 
         def seen(key: Any, value: Any) -> Any:
             if type(value) is not torch.Tensor:
                 return value
             if key in alike:
-                return value if _alike_view(value) else _unview(value).view_as(value)
+                return value if _alike_view(value) else _view_again(value)
             return value if not value._is_view() or id(value) in views.kwargs else _unview(value)
 
     else:
@@ -227,15 +228,33 @@ def _unview(value: Any) -> Any:
     return _unviewed()(value) if value.requires_grad else value.detach()
 
 
+def _view_again(value: Any) -> Any:
+    """``value`` as a view alike its base: ``view_as`` of it (of its non-view form if a view).
+
+    Out of sight of torch's dispatch modes: eager SAC's recompute mode looks up each
+    op it meets in what its forward stored, and this op has no forward (an ``aten.view``
+    it never met raises); ``detach`` (``_unview``) is one it ignores.
+    """
+    with find(_NO_DISPATCH_MODES)():
+        return _unview(value).view_as(value)
+
+
 def _alike_view(value: Any) -> bool:
-    """Is ``value`` a view whose base has its sizes, strides, offset, dtype and grad (``x.view_as(x)``'s form)?"""
+    """Is ``value`` a view whose base has its sizes, strides, offset, dtype and grad (``x.view_as(x)``'s form)?
+
+    False on a torch where a recompute could not make one unseen (``_view_again``).
+    """
     base = value._base if value._is_view() else None
-    return base is not None and (
-        base.size() == value.size()
-        and base.stride() == value.stride()
-        and base.storage_offset() == value.storage_offset()
-        and base.dtype == value.dtype
-        and base.requires_grad == value.requires_grad
+    return (
+        base is not None
+        and find_optional(_NO_DISPATCH_MODES) is not None
+        and (
+            base.size() == value.size()
+            and base.stride() == value.stride()
+            and base.storage_offset() == value.storage_offset()
+            and base.dtype == value.dtype
+            and base.requires_grad == value.requires_grad
+        )
     )
 
 
@@ -244,16 +263,25 @@ class _ViewsOfFrame:
 
     ``kwargs``: the ids of the checkpoint's kwarg views, which its recompute gets
     back as they are (read where no hooks lie beneath its own). ``alike``: per
-    woven call of its forward, in order, the inputs passed as alike views; the
-    recompute's calls come in the same order (and stop early, never reorder).
+    woven call of its forward, in order, the inputs passed as alike views; a
+    recompute's calls come in the same order (and may stop early, never reorder).
+    Each recompute reads from the first: a graph kept (``retain_graph``) is
+    recomputed at each backward, each its own pass (``_recompute_pass``).
     """
 
-    __slots__ = ("__weakref__", "alike", "kwargs")
+    __slots__ = ("__weakref__", "alike", "kwargs", "read")
     _of: weakref.WeakKeyDictionary[Any, _ViewsOfFrame] = weakref.WeakKeyDictionary()
 
     def __init__(self, kwargs: frozenset[int]) -> None:
         self.kwargs = kwargs
-        self.alike: collections.deque[frozenset[Any]] = collections.deque()
+        self.alike: list[frozenset[Any]] = []
+        self.read: dict[Any, int] = {}  # per recompute pass, the calls it has made
+
+    def next_in(self, recompute: Any) -> frozenset[Any]:
+        """What the forward passed as alike views at this call of recompute pass ``recompute``."""
+        at = self.read.get(recompute, 0)
+        self.read[recompute] = at + 1
+        return self.alike[at] if at < len(self.alike) else frozenset()
 
     @classmethod
     def of(cls, frame: Any) -> _ViewsOfFrame | None:
@@ -265,6 +293,18 @@ class _ViewsOfFrame:
         except TypeError:
             return None
         return views
+
+
+def _recompute_pass() -> Any:
+    """Which backward this recompute runs for: the ``gid`` its hook keeps (2.11-2.15), else None."""
+    pack = inspect.unwrap(_top_saved_tensors_hooks()[0])
+    cells = dict(zip(pack.__code__.co_freevars, pack.__closure__ or (), strict=False))
+    try:
+        gid = cells["gid"].cell_contents if "gid" in cells else None
+        hash(gid)
+    except (ValueError, TypeError):  # an empty cell, or not a key
+        return None
+    return gid
 
 
 def _kwarg_views(frame: Any) -> frozenset[int]:

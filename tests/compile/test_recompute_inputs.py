@@ -50,13 +50,12 @@ class NormBlock(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, alike: bool = False) -> None:
+    def __init__(self, alike: bool = False, selective: bool = True) -> None:
         super().__init__()
         self.alike = alike
         self.embed = nn.Linear(DIM, DIM)
-        self.block = cw.checkpoint_wrapper(
-            NormBlock(), context_fn=functools.partial(create_selective_checkpoint_contexts, _save_mm)
-        )
+        sac = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_mm)}
+        self.block = cw.checkpoint_wrapper(NormBlock(), **(sac if selective else {}))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The block's input is a view: of a larger base (a linear's 3-D output, as a transformer's
@@ -113,9 +112,9 @@ def _unviewed_dims(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return given
 
 
-def _woven_and_plain(alike: bool) -> tuple[nn.Module, nn.Module]:
+def _woven_and_plain(alike: bool, selective: bool = True) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
-    model = Model(alike)
+    model = Model(alike, selective)
     # Marked, the experts are a region of their own (a unit that breaks only in its hooks would be
     # traced in the block's region, its input never crossing a region's entry: nested graph breaks).
     autoweave.boundary(model.block._checkpoint_wrapped_module.experts)
@@ -178,3 +177,32 @@ def test_a_step_under_saved_tensor_hooks_compiles_nothing_more(alike: bool) -> N
         loss.backward()
         converted.append(counters["frames"]["ok"])
     assert converted[1:] == [converted[1]] * 3, converted
+
+
+@pytest.mark.parametrize("hooks", [None, "save_on_cpu"])
+def test_a_graph_kept_for_a_second_backward_is_recomputed_with_the_same_forms(hooks: str | None) -> None:
+    """``retain_graph``: each backward recomputes the checkpoint, each meeting its forward's view forms.
+
+    Under ``save_on_cpu`` the recompute gets a tensor of its own where its forward passed an alike
+    view, and ``view_as`` of it: read per recompute, not used up by the first (a second that met a
+    non-view would look up, and here compile, another graph than its forward's). Full AC:
+    selective AC allows one backward of a region, and a compiled backward that donates its buffers
+    none kept (off here).
+    """
+    from torch._dynamo.utils import counters
+
+    model, plain = _woven_and_plain(alike=True, selective=False)
+    second = []  # frames the second backward of each step converted
+    with torch._functorch.config.patch(donated_buffer=False):
+        for net in (plain, model):
+            for step, length in enumerate((8, 6, 7)):
+                x = torch.randn(2, length, DIM, generator=torch.Generator().manual_seed(step))
+                with HOOKS[hooks]() if hooks else contextlib.nullcontext():
+                    loss = net(x).square().mean()
+                loss.backward(retain_graph=True)
+                before = counters["frames"]["ok"]
+                loss.backward()
+                second.append(counters["frames"]["ok"] - before)
+    for got, want in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad)
+    assert second == [0] * 6, second
