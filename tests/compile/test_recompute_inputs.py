@@ -58,10 +58,11 @@ class Model(nn.Module):
         self.block = cw.checkpoint_wrapper(NormBlock(), **(sac if selective else {}))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The block's input is a view: of a larger base (a linear's 3-D output, as a transformer's
-        # hidden states often are), or ``alike`` its base (FSDP2's hook outputs, ``view_as``).
+        # The block's input is a view: of a larger base (half of a wider tensor's last dim; a
+        # linear's 3-D output is one on torch 2.13, not on 2.15), or ``alike`` its base (FSDP2's
+        # hook outputs, ``view_as``).
         h = self.embed(x)
-        return self.block((h + 0.0).view_as(h) if self.alike else h.view(x.shape))
+        return self.block((h + 0.0).view_as(h) if self.alike else torch.cat([h, h], dim=-1)[..., :DIM])
 
 
 HOOKS = {
