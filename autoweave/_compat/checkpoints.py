@@ -125,9 +125,7 @@ def eager_checkpoint_frame() -> tuple[Any, bool] | None:
     """
     if not in_eager_checkpoint():
         return None
-    # The recompute's hook is ``torch._dynamo.disable``d (2.13): its wrapper keeps ``__wrapped__``.
-    pack = inspect.unwrap(_top_saved_tensors_hooks()[0])
-    cells = dict(zip(pack.__code__.co_freevars, pack.__closure__ or (), strict=False))
+    cells = _innermost_pack_cells()
     try:
         if "frame" in cells:
             return cells["frame"].cell_contents, False
@@ -137,6 +135,13 @@ def eager_checkpoint_frame() -> tuple[Any, bool] | None:
     except (ValueError, TypeError):  # an empty cell, or not a weak reference
         pass
     return None
+
+
+def _innermost_pack_cells() -> dict[str, Any]:
+    """The closure cells, by name, of the innermost saved-tensor pack hook (an eager checkpoint's)."""
+    # The recompute's hook is ``torch._dynamo.disable``d (2.13): its wrapper keeps ``__wrapped__``.
+    pack = inspect.unwrap(_top_saved_tensors_hooks()[0])
+    return dict(zip(pack.__code__.co_freevars, pack.__closure__ or (), strict=False))
 
 
 @functools.cache
@@ -297,8 +302,7 @@ class _ViewsOfFrame:
 
 def _recompute_pass() -> Any:
     """Which backward this recompute runs for: the ``gid`` its hook keeps (2.11-2.15), else None."""
-    pack = inspect.unwrap(_top_saved_tensors_hooks()[0])
-    cells = dict(zip(pack.__code__.co_freevars, pack.__closure__ or (), strict=False))
+    cells = _innermost_pack_cells()
     try:
         gid = cells["gid"].cell_contents if "gid" in cells else None
         hash(gid)

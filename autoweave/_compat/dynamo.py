@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
-from autoweave._compat.lookup import UnsupportedTorch, find, find_optional, need, need_source
+from autoweave._compat.lookup import UnsupportedTorch, find, find_optional, need, need_source, torch_version
 
 _DYNAMO = need("torch._dynamo", required=False)
 _UTILS = need("torch._dynamo.utils", required=False)
@@ -230,7 +230,10 @@ def nested_breaks_supported() -> bool:
     import torch
 
     config = find_optional(_CONFIG)
-    version = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
+    try:
+        version = torch_version(torch.__version__)
+    except UnsupportedTorch:
+        return False
     return config is not None and hasattr(config, "nested_graph_breaks") and version >= _NESTED_BREAKS_FROM
 
 

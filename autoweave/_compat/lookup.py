@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,14 @@ from typing import Any
 
 class UnsupportedTorch(RuntimeError):
     """The installed torch lacks something autoweave needs."""
+
+
+def torch_version(raw: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string (``"2.13.0+cpu"`` -> ``(2, 13)``)."""
+    match = re.match(r"(\d+)\.(\d+)", str(raw))
+    if not match:
+        raise UnsupportedTorch(f"cannot read torch version {raw!r}")
+    return int(match.group(1)), int(match.group(2))
 
 
 def find(*paths: str) -> Any:

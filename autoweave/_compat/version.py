@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from autoweave._compat import backends, checkpoints, dynamo, log_strings, modules, regions
-from autoweave._compat.lookup import NEEDS, UnsupportedTorch
+from autoweave._compat.lookup import NEEDS, UnsupportedTorch, torch_version
 
 # Every module that declares what it needs from torch (``lookup.need``): imported here, so
 # ``lookup.NEEDS`` is complete whenever ``self_check`` reads it.
@@ -26,13 +25,6 @@ DECLARING = (backends, checkpoints, dynamo, log_strings, modules, regions)
 
 # The torch releases autoweave is tested on, inclusive, as (major, minor).
 TESTED_TORCH = ((2, 11), (2, 15))
-
-
-def torch_version(raw: str) -> tuple[int, int]:
-    match = re.match(r"(\d+)\.(\d+)", str(raw))
-    if not match:
-        raise UnsupportedTorch(f"cannot read torch version {raw!r}")
-    return int(match.group(1)), int(match.group(2))
 
 
 def _tested() -> str:
